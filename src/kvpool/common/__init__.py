@@ -1,0 +1,1 @@
+"""Shared contracts: block hashing, errors, logging, metrics."""

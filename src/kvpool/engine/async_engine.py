@@ -1,0 +1,157 @@
+"""Runs an LLMEngine on a background thread and streams outputs to asyncio callers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kvpool.common.errors import KVPoolError
+from kvpool.engine.llm_engine import LLMEngine
+from kvpool.engine.request import CompletionOutput, RequestOutput
+from kvpool.engine.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    token_ids: list[int]
+    prompt: str | None
+    params: SamplingParams
+    sink: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+class EngineDeadError(KVPoolError):
+    http_status = 503
+    error_type = "engine_dead_error"
+
+
+class AsyncLLMEngine:
+    """Thread-owned engine; ``generate`` is an async iterator of cumulative RequestOutputs."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, _Add] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvpool-engine", daemon=True)
+        self.dead: BaseException | None = None
+
+    def start(self) -> AsyncLLMEngine:
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        self._thread.join(timeout)
+        self.engine.close()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Validate and queue a request, then yield its outputs until it finishes.
+
+        Raises BadRequestError before anything is queued if the request can never be served.
+        Closing the iterator early (e.g. a client disconnect) aborts the request.
+        """
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self.dead}")
+        rid = request_id or uuid.uuid4().hex
+        ids = self.engine.tokenize(prompt)
+        self.engine.check_length(len(ids), params)
+        sink: asyncio.Queue = asyncio.Queue()
+        text = prompt if isinstance(prompt, str) else None
+        self._inbox.put(_Add(rid, ids, text, params, sink, asyncio.get_running_loop()))
+        finished = False
+        try:
+            while True:
+                out = await sink.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._inbox.put(_Abort(rid))
+
+    # -- engine thread ------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            self._drain(block=not eng.has_unfinished_requests())
+            if not eng.has_unfinished_requests():
+                continue
+            try:
+                outs = eng.step()
+            except Exception as e:  # a bug or OOM in one step must not kill the server silently
+                logger.exception("engine step failed; failing its requests")
+                self._fail_all(e)
+                continue
+            for out in outs:
+                self._deliver(out)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            self._handle(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item: _Add | _Abort) -> None:
+        if isinstance(item, _Abort):
+            if item.request_id in self.engine.requests:
+                self.engine.abort_request(item.request_id)
+            self._sinks.pop(item.request_id, None)
+            return
+        try:
+            self.engine.add_request(item.request_id, item.token_ids, item.params)
+        except Exception as e:
+            item.loop.call_soon_threadsafe(item.sink.put_nowait, e)
+            return
+        self.engine.requests[item.request_id].prompt = item.prompt
+        self._sinks[item.request_id] = item
+
+    def _deliver(self, out: RequestOutput) -> None:
+        add = self._sinks.get(out.request_id)
+        if add is None:
+            return
+        if out.finished:
+            del self._sinks[out.request_id]
+        add.loop.call_soon_threadsafe(add.sink.put_nowait, out)
+
+    def _fail_all(self, err: Exception) -> None:
+        for rid in list(self._sinks):
+            add = self._sinks.pop(rid)
+            if rid in self.engine.requests:
+                out = self.engine.abort_request(rid)
+            else:
+                out = RequestOutput(rid, add.prompt, add.token_ids,
+                                    [CompletionOutput(0, "", [], "error")], True)
+            out.outputs[0].finish_reason = "error"
+            out.error = f"engine step failed: {err}"
+            add.loop.call_soon_threadsafe(add.sink.put_nowait, out)

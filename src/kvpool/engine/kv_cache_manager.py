@@ -1,0 +1,111 @@
+"""Maps requests to KV blocks: prefix-cache lookup, slot allocation, caching full blocks."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from kvpool.common.hashing import block_hashes
+from kvpool.engine.block_pool import BlockPool, KVBlock
+from kvpool.engine.connector import BlockRef
+from kvpool.engine.request import Request
+
+
+class PrefixHit(NamedTuple):
+    blocks: list[KVBlock]  # cached blocks of the prompt prefix, in order
+    num_tokens: int
+
+
+class KVCacheManager:
+    """Request-level view on the block pool."""
+
+    def __init__(self, pool: BlockPool, block_size: int, hash_seed: bytes) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.hash_seed = hash_seed
+        self._blocks: dict[str, list[KVBlock]] = {}
+        self._num_registered: dict[str, int] = {}  # leading blocks already offered to the cache
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def update_hashes(self, req: Request, upto_tokens: int) -> None:
+        """Extend ``req.block_hashes`` over the full blocks among its first ``upto_tokens``."""
+        have = len(req.block_hashes)
+        if (upto_tokens // self.block_size) <= have:
+            return
+        parent = req.block_hashes[-1] if have else None
+        req.block_hashes.extend(
+            block_hashes(req.token_ids[:upto_tokens], self.block_size, self.hash_seed,
+                         start=have, parent=parent)
+        )
+
+    def find_prefix(self, req: Request) -> PrefixHit:
+        """Longest chain of cached, token-verified blocks; always leaves >= 1 token to compute."""
+        self.update_hashes(req, req.num_tokens)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        out: list[KVBlock] = []
+        bs = self.block_size
+        for i, h in enumerate(req.block_hashes[:max_blocks]):
+            block = self.pool.lookup(h, tuple(req.token_ids[i * bs : (i + 1) * bs]))
+            if block is None:
+                break
+            out.append(block)
+        return PrefixHit(out, len(out) * bs)
+
+    def allocate(
+        self, req: Request, num_new_tokens: int, prefix: list[KVBlock] | None = None,
+        num_external: int = 0,
+    ) -> list[KVBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens of ``req`` (after its computed ones).
+
+        ``prefix`` are cache hits to adopt first (only when the request has no blocks yet).
+        Returns the newly allocated blocks, or None (and changes nothing) if the pool is short.
+        """
+        have = self._blocks.setdefault(req.request_id, [])
+        prefix = prefix or []
+        # Prefix hits that sit on the free list cost a free block each.
+        free_hits = sum(1 for b in prefix if b.ref_cnt == 0)
+        base = len(prefix) * self.block_size if prefix else req.num_computed_tokens
+        total_tokens = base + num_external + num_new_tokens
+        need = self.blocks_needed(total_tokens) - len(have) - len(prefix)
+        if need > 0 and need + free_hits > self.pool.num_free_blocks:
+            return None
+        if prefix:
+            assert not have
+            self.pool.touch(prefix)
+            have.extend(prefix)
+        new = self.pool.allocate(need) if need > 0 else []
+        assert new is not None
+        have.extend(new)
+        req.block_ids = [b.block_id for b in have]
+        return new
+
+    def cache_full_blocks(self, req: Request) -> list[BlockRef]:
+        """Register blocks whose every token has KV now; return the newly registered ones."""
+        have = self._blocks.get(req.request_id, [])
+        num_full = req.num_computed_tokens // self.block_size
+        first = self._num_registered.get(req.request_id, 0)
+        if num_full <= first:
+            return []
+        self.update_hashes(req, num_full * self.block_size)
+        self._num_registered[req.request_id] = num_full
+        out = []
+        bs = self.block_size
+        for i in range(first, num_full):
+            block = have[i]
+            if block.block_hash is not None:
+                continue
+            toks = tuple(req.token_ids[i * bs : (i + 1) * bs])
+            if self.pool.cache_block(block, req.block_hashes[i], toks):
+                out.append(BlockRef(block.block_id, req.block_hashes[i], toks))
+        return out
+
+    def get_blocks(self, req: Request) -> list[KVBlock]:
+        return self._blocks.get(req.request_id, [])
+
+    def free(self, req: Request) -> None:
+        """Release every block of ``req`` (tail first, so tails are evicted before heads)."""
+        blocks = self._blocks.pop(req.request_id, [])
+        self._num_registered.pop(req.request_id, None)
+        self.pool.free(list(reversed(blocks)))
+        req.block_ids = []

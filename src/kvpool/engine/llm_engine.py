@@ -1,0 +1,234 @@
+"""The engine: requests in, one scheduled forward pass per ``step()``, outputs out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvpool.common.errors import BadRequestError, NotFoundError
+from kvpool.common.hashing import kv_namespace, namespace_seed
+from kvpool.config import EngineConfig
+from kvpool.engine.block_pool import BlockPool
+from kvpool.engine.connector import KVConnector, NoopConnector
+from kvpool.engine.kv_cache_manager import KVCacheManager
+from kvpool.engine.model_runner import (
+    ModelRunner,
+    ScheduledChunk,
+    allocate_kv_cache,
+    kv_bytes_per_block,
+)
+from kvpool.engine.output import OutputProcessor
+from kvpool.engine.request import Request, RequestOutput, RequestStatus
+from kvpool.engine.sampling import SamplingParams
+from kvpool.engine.scheduler import Scheduler, SchedulerConfig
+from kvpool.model.llama import LlamaModel
+from kvpool.model.loader import LoadedModel, load_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot for metrics exporters (token counts are cumulative)."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_kv_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    external_prefix_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    steps: int
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged, prefix-cached KV tensor."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        model: LoadedModel | None = None,
+        connector: KVConnector | None = None,
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        dtype = getattr(torch, config.dtype)
+        t0 = time.perf_counter()
+        self.loaded = model or load_model(config.model, dtype=dtype)
+        self.model_config = mc = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.model = LlamaModel(mc, self.loaded.weights, dtype)
+        self.block_size = bs = config.block_size
+        num_blocks = config.num_kv_blocks or max(
+            2, config.kv_cache_memory_bytes // kv_bytes_per_block(self.model, bs) + 1
+        )
+        self.kv_cache = allocate_kv_cache(self.model, num_blocks, bs)
+        capacity = (num_blocks - 1) * bs
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings, capacity)
+        self.namespace = kv_namespace(
+            self.loaded.fingerprint, dtype=config.dtype, block_size=bs,
+            num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+        )
+        self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(self.pool, bs, namespace_seed(self.namespace))
+        self.connector = connector or NoopConnector()
+        self.connector.bind(self.kv_cache, bs, self.namespace)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+            self.kv_manager, self.connector,
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache, bs)
+        self.output = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._saving: dict[int, int] = {}  # block id -> references held for connector saves
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        logger.info(
+            "engine ready in %.1fs: %s, %s, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
+            time.perf_counter() - t0, mc.name, config.dtype, num_blocks, bs,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.max_model_len,
+        )
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise BadRequestError(f"token ids must be integers in [0, {vocab})", param="prompt")
+        return ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queue a request; raises BadRequestError if it can never be served."""
+        if request_id in self.requests:
+            raise BadRequestError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        ids = self.tokenize(prompt)
+        self.check_length(len(ids), params)
+        req = Request(request_id, ids, params, prompt if isinstance(prompt, str) else None,
+                      arrival_time)
+        self.output.start(req)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        self.prompt_tokens += len(ids)
+        return req
+
+    def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Reject prompts (plus requested output) longer than the model or cache can hold."""
+        if num_prompt_tokens == 0:
+            raise BadRequestError("the prompt is empty", param="prompt")
+        limit = self.max_model_len
+        want = num_prompt_tokens + (params.max_tokens or 1)
+        if num_prompt_tokens >= limit or want > limit:
+            raise BadRequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{want} tokens ({num_prompt_tokens} in the prompt, {want - num_prompt_tokens} "
+                "in the completion). Please reduce the prompt or max_tokens.",
+                param="max_tokens" if num_prompt_tokens < limit else "prompt",
+            )
+
+    def abort_request(self, request_id: str) -> RequestOutput:
+        """Stop a request and free its blocks; returns its final output (finish_reason abort)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            raise NotFoundError(f"no request {request_id!r}")
+        self.scheduler.finish(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = req.finish_reason or "abort"
+        return self.output.make_output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, sample; outputs of requests that produced a token."""
+        self._release_saved()
+        sched = self.scheduler.schedule()
+        if not sched.chunks:
+            return []
+        tokens = self.runner.execute(sched.chunks)
+        now = time.monotonic()
+        outs = []
+        it = iter(tokens)
+        for ch in sched.chunks:
+            req = ch.request
+            req.num_computed_tokens = ch.start + ch.num_tokens
+            self._save_full_blocks(req)
+            if not ch.completes:
+                continue
+            self.generation_tokens += 1
+            self.output.append(req, next(it), now)
+            if req.finish_reason is not None:
+                self._finish(req)
+            outs.append(self.output.make_output(req))
+        return outs
+
+    def _finish(self, req: Request) -> None:
+        req.status = RequestStatus.FINISHED
+        self.scheduler.finish(req)
+        self.requests.pop(req.request_id, None)
+
+    def _save_full_blocks(self, req: Request) -> None:
+        refs = self.kv_manager.cache_full_blocks(req)
+        if not refs or not self.connector.saves:
+            return
+        blocks = [self.pool.blocks[r.block_id] for r in refs]
+        self.pool.touch(blocks)  # keep the bytes until the connector has copied them
+        for r in refs:
+            self._saving[r.block_id] = self._saving.get(r.block_id, 0) + 1
+        self.connector.save(refs)
+
+    def _release_saved(self) -> None:
+        if not self._saving:
+            return
+        for block_id in self.connector.poll_saved():
+            if self._saving.get(block_id, 0) > 0:
+                self._saving[block_id] -= 1
+                if not self._saving[block_id]:
+                    del self._saving[block_id]
+                self.pool.free([self.pool.blocks[block_id]])
+
+    # -- introspection ----------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=self.pool.usage(),
+            num_kv_blocks=self.pool.num_blocks,
+            prefix_cache_queries=s.prefix_queries,
+            prefix_cache_hits=s.prefix_hits + s.external_hits,
+            external_prefix_hits=s.external_hits,
+            num_preemptions=s.preemptions,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            steps=s.steps,
+        )
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_cache()
+
+    def close(self) -> None:
+        self.connector.close()
+
+
+__all__ = ["EngineStats", "LLMEngine", "ScheduledChunk"]

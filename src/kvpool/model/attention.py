@@ -1,0 +1,103 @@
+"""Attention over the paged, block-major KV cache (DESIGN.md §3).
+
+The engine's KV tensor is ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``.
+New keys/values are scattered into their slots first; queries then attend to their sequence's
+blocks gathered through its block table. Single-token queries (decodes) of one step are batched
+into one call; multi-token chunks (prefills) attend one sequence at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    """A multi-token chunk of one sequence: tokens ``[start, end)`` of the flat batch."""
+
+    start: int
+    end: int
+    start_pos: int  # position of the chunk's first token (= tokens already in the cache)
+    block_table: torch.Tensor  # [num_blocks] long, covering start_pos + (end - start) tokens
+    mask: torch.Tensor | None  # [n, ctx] bool, None when start_pos == 0 (plain causal)
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where the step's tokens go in the cache and what each attends to."""
+
+    slot_blocks: torch.Tensor  # [T] long: block id of each new token
+    slot_offsets: torch.Tensor  # [T] long: offset inside that block
+    num_decodes: int  # the first num_decodes tokens are one-token queries
+    decode_block_table: torch.Tensor | None  # [B, max_blocks] long, padded with block 0
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillSeq]
+
+
+def write_kv(
+    kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+) -> None:
+    """Scatter this step's keys/values ([T, Hkv, D]) into one layer's cache slots."""
+    kv_layer[:, 0].index_put_((meta.slot_blocks, meta.slot_offsets), k)
+    kv_layer[:, 1].index_put_((meta.slot_blocks, meta.slot_offsets), v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_layer: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """Attention output [T, Hq * D] for queries ``q`` [T, Hq, D]; k/v are this step's [T, Hkv, D].
+
+    ``kv_layer`` is one layer's view of the cache: ``[num_blocks, 2, block_size, Hkv, D]``.
+    """
+    write_kv(kv_layer, k, v, meta)
+    num_tokens, num_heads, head_dim = q.shape
+    out = q.new_empty(num_tokens, num_heads, head_dim)
+    nd = meta.num_decodes
+    if nd:
+        out[:nd] = _decode_attention(q[:nd], kv_layer, meta.decode_block_table, meta.decode_mask)
+    for seq in meta.prefills:
+        out[seq.start : seq.end] = _prefill_attention(q, k, v, kv_layer, seq)
+    return out.view(num_tokens, num_heads * head_dim)
+
+
+def _gather(kv_layer: torch.Tensor, block_table: torch.Tensor, which: int) -> torch.Tensor:
+    """Blocks of ``block_table`` ([..., nb]) as [..., nb * block_size, Hkv, D]."""
+    g = kv_layer[:, which][block_table]  # [..., nb, bs, Hkv, D]
+    return g.flatten(-4, -3)
+
+
+def _decode_attention(
+    q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    keys = _gather(kv_layer, block_table, 0).transpose(1, 2)  # [B, Hkv, S, D]
+    values = _gather(kv_layer, block_table, 1).transpose(1, 2)
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True
+    )  # [B, Hq, 1, D]
+    return o.squeeze(2)
+
+
+def _prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, seq: PrefillSeq
+) -> torch.Tensor:
+    qs = q[seq.start : seq.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    if seq.mask is None:
+        keys = k[seq.start : seq.end]
+        values = v[seq.start : seq.end]
+    else:
+        ctx = seq.mask.shape[1]
+        keys = _gather(kv_layer, seq.block_table, 0)[:ctx]
+        values = _gather(kv_layer, seq.block_table, 1)[:ctx]
+    keys = keys.transpose(0, 1).unsqueeze(0)
+    values = values.transpose(0, 1).unsqueeze(0)
+    o = F.scaled_dot_product_attention(
+        qs, keys, values, attn_mask=seq.mask, is_causal=seq.mask is None, enable_gqa=True
+    )
+    return o.squeeze(0).transpose(0, 1)  # [n, Hq, D]

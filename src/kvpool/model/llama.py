@@ -1,0 +1,118 @@
+"""Llama-family decoder (Llama, SmolLM, Qwen2) over the paged KV cache.
+
+Plain tensors and functional ops rather than nn.Modules: the step is a straight line of
+matmuls, and fusing q/k/v and gate/up into one matmul each saves half the weight passes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kvpool.model.attention import AttentionMetadata, paged_attention
+from kvpool.model.config import ModelConfig
+
+
+class _Layer:
+    __slots__ = ("down", "gate_up", "ln_attn", "ln_mlp", "o", "qkv", "qkv_bias")
+
+    def __init__(self, w: dict[str, torch.Tensor], prefix: str, bias: bool) -> None:
+        a = prefix + "self_attn."
+        self.qkv = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"],
+                              w[a + "v_proj.weight"]]).contiguous()
+        self.qkv_bias = (
+            torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
+            if bias else None
+        )
+        self.o = w[a + "o_proj.weight"].contiguous()
+        m = prefix + "mlp."
+        self.gate_up = torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]).contiguous()
+        self.down = w[m + "down_proj.weight"].contiguous()
+        self.ln_attn = w[prefix + "input_layernorm.weight"]
+        self.ln_mlp = w[prefix + "post_attention_layernorm.weight"]
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies, with Llama-3 style scaling when the config asks for it."""
+    d = cfg.head_dim
+    # float32 like the reference implementation, so positions rotate bit-for-bit the same
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = cfg.rope_scaling
+    if not rs:
+        return inv
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "linear":
+        return inv / float(rs["factor"])
+    if kind == "llama3":
+        factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        old_ctx = float(rs["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
+        mid = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
+        return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    if kind in (None, "default"):
+        return inv
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+
+
+class LlamaModel:
+    """Forward pass of a Llama-family decoder on flattened tokens of a whole step."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+        self.cfg = cfg
+        self.dtype = dtype
+        w = {k: t.to(dtype) for k, t in weights.items()}
+        self.embed = w["model.embed_tokens.weight"].contiguous()
+        self.lm_head = w.get("lm_head.weight", self.embed).contiguous()
+        self.norm = w["model.norm.weight"]
+        self.layers = [
+            _Layer(w, f"model.layers.{i}.", cfg.attention_bias) for i in range(cfg.num_layers)
+        ]
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(pos, rope_inv_freq(cfg))
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(dtype)
+        self.sin = emb.sin().to(dtype)
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rot * sin
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden] (normed) for the step's T tokens."""
+        cfg = self.cfg
+        h = F.embedding(input_ids, self.embed)
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        t = input_ids.shape[0]
+        for i, layer in enumerate(self.layers):
+            x = self._rms(h, layer.ln_attn)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self._rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = self._rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+            a = paged_attention(q, k, v, kv_cache[:, i], meta)
+            h = h + F.linear(a, layer.o)
+            x = self._rms(h, layer.ln_mlp)
+            gu = F.linear(x, layer.gate_up)
+            g, u = gu.chunk(2, dim=-1)
+            h = h + F.linear(F.silu(g) * u, layer.down)
+        return self._rms(h, self.norm)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, vocab] for the selected hidden states."""
+        return F.linear(hidden, self.lm_head).float()
