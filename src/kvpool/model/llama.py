@@ -20,11 +20,13 @@ class _Layer:
 
     def __init__(self, w: dict[str, torch.Tensor], prefix: str, bias: bool) -> None:
         a = prefix + "self_attn."
-        self.qkv = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"],
-                              w[a + "v_proj.weight"]]).contiguous()
+        self.qkv = torch.cat(
+            [w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]
+        ).contiguous()
         self.qkv_bias = (
             torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
-            if bias else None
+            if bias
+            else None
         )
         self.o = w[a + "o_proj.weight"].contiguous()
         m = prefix + "mlp."
@@ -46,7 +48,11 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     if kind == "linear":
         return inv / float(rs["factor"])
     if kind == "llama3":
-        factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        factor, lo, hi = (
+            float(rs["factor"]),
+            float(rs["low_freq_factor"]),
+            float(rs["high_freq_factor"]),
+        )
         old_ctx = float(rs["original_max_position_embeddings"])
         wavelen = 2 * math.pi / inv
         smooth = (old_ctx / wavelen - lo) / (hi - lo)
@@ -89,7 +95,10 @@ class LlamaModel:
         return x * cos + rot * sin
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] (normed) for the step's T tokens."""
