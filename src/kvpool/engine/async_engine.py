@@ -47,11 +47,14 @@ class AsyncLLMEngine:
         self._sinks: dict[str, _Add] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvpool-engine", daemon=True)
-        self.dead: BaseException | None = None
 
     def start(self) -> AsyncLLMEngine:
         self._thread.start()
         return self
+
+    def is_alive(self) -> bool:
+        """True while the engine thread runs."""
+        return self._thread.is_alive()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -71,8 +74,8 @@ class AsyncLLMEngine:
         Raises BadRequestError before anything is queued if the request can never be served.
         Closing the iterator early (e.g. a client disconnect) aborts the request.
         """
-        if self.dead is not None:
-            raise EngineDeadError(f"the engine stopped: {self.dead}")
+        if not self.is_alive():
+            raise EngineDeadError("the engine thread is not running")
         rid = request_id or uuid.uuid4().hex
         ids = self.engine.tokenize(prompt)
         self.engine.check_length(len(ids), params)

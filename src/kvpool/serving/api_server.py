@@ -1,0 +1,221 @@
+"""The OpenAI-compatible HTTP server of a single engine.
+
+``build_app(aeng, model_name)`` returns a FastAPI app with ``/v1/models``, ``/v1/completions``,
+``/v1/chat/completions`` (JSON or SSE streams), ``/health`` and ``/metrics``. A client that goes
+away aborts its request, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kvpool.common.errors import BadRequestError, KVPoolError
+from kvpool.engine.async_engine import AsyncLLMEngine
+from kvpool.engine.request import RequestOutput
+from kvpool.engine.sampling import SamplingParams
+from kvpool.serving.engine_client import EngineClient
+from kvpool.serving.formats import SSE_DONE, ChatFormat, CompletionFormat, finish_reason, sse
+from kvpool.serving.http_errors import (
+    BearerAuthMiddleware,
+    CatchAllMiddleware,
+    ModelNotFoundError,
+    error_body,
+    install_error_handlers,
+)
+from kvpool.serving.metrics import ServerMetrics
+from kvpool.serving.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+
+logger = logging.getLogger(__name__)
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class EngineError(KVPoolError):
+    """The engine failed while running a request."""
+
+    error_type = "engine_error"
+
+
+class _SSEResponse(StreamingResponse):
+    """A stream that always closes its generator, so an early disconnect aborts the request."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+class OpenAIServer:
+    """Request handling behind the routes (one per app)."""
+
+    def __init__(self, aeng: AsyncLLMEngine, model_name: str) -> None:
+        self.model_name = model_name
+        self.metrics = ServerMetrics(aeng.engine.stats)
+        self.client = EngineClient(aeng, self.metrics)
+        self.created = int(time.time())
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ModelNotFoundError(
+                f"The model `{model}` does not exist (this server serves `{self.model_name}`).",
+                param="model",
+            )
+
+    def model_card(self) -> dict:
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "kvpool",
+            "root": self.model_name,
+            "max_model_len": self.client.engine.max_model_len,
+        }
+
+    async def completions(self, request: Request) -> Response:
+        req = parse_request(await request.body(), CompletionRequest)
+        self.check_model(req.model)
+        params = req.to_sampling_params()
+        ids = self.client.prepare(req.single_prompt(), params)
+        fmt = CompletionFormat(self.model_name, req.include_usage)
+        return await self._respond(request, ids, params, fmt, req.stream)
+
+    async def chat(self, request: Request) -> Response:
+        req = parse_request(await request.body(), ChatCompletionRequest)
+        self.check_model(req.model)
+        params = req.to_sampling_params()
+        messages = req.chat_messages()
+        tok = self.client.engine.tokenizer
+        if tok.chat_template is None:
+            raise BadRequestError("this model has no chat template; use /v1/completions")
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        ids = self.client.prepare(tok.encode(text, add_special_tokens=False), params)
+        fmt = ChatFormat(self.model_name, req.include_usage)
+        return await self._respond(request, ids, params, fmt, req.stream)
+
+    async def _respond(
+        self,
+        request: Request,
+        ids: list[int],
+        params: SamplingParams,
+        fmt: CompletionFormat | ChatFormat,
+        stream: bool,
+    ) -> Response:
+        if stream:
+            body = self._stream(ids, params, fmt)
+            return _SSEResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
+        out = await self._until_disconnect(request, self._final(ids, params, fmt.id))
+        if out is None:
+            return Response(status_code=499)  # nobody is listening any more
+        return JSONResponse(fmt.full(out))
+
+    async def _final(self, ids: list[int], params: SamplingParams, rid: str) -> RequestOutput:
+        last = None
+        async for out in self.client.generate(ids, params, rid):
+            last = out
+        assert last is not None
+        if last.error is not None:
+            raise EngineError(last.error)
+        return last
+
+    async def _until_disconnect(self, request: Request, work) -> RequestOutput | None:
+        """Run ``work``; cancel it (aborting the request) if the client disconnects first."""
+        task = asyncio.ensure_future(work)
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if task.cancelled():
+            logger.info("client disconnected; request aborted")
+            return None
+        return task.result()
+
+    async def _stream(
+        self, ids: list[int], params: SamplingParams, fmt: CompletionFormat | ChatFormat
+    ) -> AsyncIterator[str]:
+        # Text that may still turn out to start a stop string is held back until it cannot.
+        hold = max((len(s) for s in params.stop_strings), default=1) - 1
+        sent = 0
+        for chunk in fmt.first_chunks():
+            yield sse(chunk)
+        try:
+            async for out in self.client.generate(ids, params, fmt.id):
+                if out.error is not None:
+                    yield sse(error_body(500, out.error, EngineError.error_type))
+                    return
+                text = out.outputs[0].text
+                end = len(text) if out.finished else max(sent, len(text) - hold)
+                finish = finish_reason(out)
+                for chunk in fmt.delta_chunks(text[sent:end], finish):
+                    yield sse(chunk)
+                sent = end
+                if out.finished and fmt.include_usage:
+                    yield sse(fmt.usage_chunk(out))
+            yield SSE_DONE
+        except KVPoolError as exc:
+            logger.warning("stream failed: %s", exc.message)
+            yield sse(exc.to_openai())
+        except Exception as exc:
+            logger.exception("stream failed")
+            yield sse(error_body(500, f"internal server error: {type(exc).__name__}: {exc}"))
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def build_app(aeng: AsyncLLMEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The OpenAI-compatible app over a started AsyncLLMEngine.
+
+    With ``api_key``, every request but ``/health`` needs ``Authorization: Bearer <api_key>``.
+    """
+    server = OpenAIServer(aeng, model_name)
+    app = FastAPI(title="kvpool", summary="OpenAI-compatible server (single engine)")
+    app.state.server = server
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if server.client.alive():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "engine dead"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=server.metrics.content_type)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [server.model_card()]})
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> JSONResponse:
+        server.check_model(model)
+        return JSONResponse(server.model_card())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await server.completions(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await server.chat(request)
+
+    app.add_middleware(CatchAllMiddleware)
+    if api_key:
+        app.add_middleware(BearerAuthMiddleware, token=api_key)
+    return app

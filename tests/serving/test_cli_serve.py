@@ -1,0 +1,87 @@
+"""`kvpool serve` argument handling (the model-loading path is covered by tests/e2e)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool import cli
+from kvpool.serving import cli_serve
+
+
+def test_non_loopback_without_token_is_refused(monkeypatch, capsys):
+    monkeypatch.delenv(cli_serve.AUTH_ENV, raising=False)
+    monkeypatch.setattr(cli_serve, "_start_engine", lambda _c: pytest.fail("must not load"))
+    assert cli.main(["serve", "--host", "0.0.0.0", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "KVPOOL_AUTH_TOKEN" in err and "0.0.0.0" in err
+
+
+def test_invalid_config_is_reported(monkeypatch, capsys):
+    monkeypatch.setattr(cli_serve, "_start_engine", lambda _c: pytest.fail("must not load"))
+    assert cli.main(["serve", "--kv-cache-memory", "lots"]) == 2
+    assert "invalid configuration" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.0.0.2", True),
+        ("::1", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.1.2.3", False),
+        ("example.com", False),
+    ],
+)
+def test_is_loopback(host, loopback):
+    assert cli_serve.is_loopback(host) is loopback
+
+
+def test_flags_and_served_name():
+    args = cli.build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            "/m/Foo-1B.gguf",
+            "--dtype",
+            "bfloat16",
+            "--block-size",
+            "32",
+            "--kv-cache-memory",
+            "512MiB",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "512",
+            "--max-model-len",
+            "1024",
+            "--no-prefix-caching",
+        ]
+    )
+    assert cli_serve.served_name(args) == "Foo-1B"
+    cfg = cli_serve._engine_config(args)
+    assert (cfg.dtype, cfg.block_size, cfg.kv_cache_memory_bytes) == ("bfloat16", 32, 2**29)
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len) == (8, 512, 1024)
+    assert cfg.enable_prefix_caching is False
+    default = cli.build_parser().parse_args(["serve"])
+    assert (default.host, default.port) == ("127.0.0.1", 8000)
+    assert cli_serve.served_name(default) == "SmolLM2-135M-Instruct"
+    named = cli.build_parser().parse_args(["serve", "--served-model-name", "x"])
+    assert cli_serve.served_name(named) == "x"
+
+
+def test_no_subcommand_prints_help(capsys):
+    assert cli.main([]) == 2
+    assert "serve" in capsys.readouterr().out
+
+
+def test_export_hf_calls_the_loader(monkeypatch, tmp_path, capsys):
+    from kvpool.model import loader
+
+    calls = []
+    monkeypatch.setattr(loader, "export_hf", lambda model, out: calls.append((model, out)) or out)
+    assert cli.main(["export-hf", "--model", "m.gguf", "--out", str(tmp_path)]) == 0
+    assert calls == [("m.gguf", str(tmp_path))]
+    assert str(tmp_path) in capsys.readouterr().out

@@ -1,0 +1,71 @@
+"""A client that goes away aborts its request and frees its KV blocks (real HTTP server)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+MAX_TOKENS = 400
+
+
+def _slow(aeng, delay: float = 0.01) -> None:
+    """~100 tokens/s, so that the request is surely still running when the client leaves."""
+    step = aeng.engine.step
+
+    def slow_step():
+        time.sleep(delay)
+        return step()
+
+    aeng.engine.step = slow_step
+
+
+def _assert_freed(aeng, timeout: float = 5.0) -> None:
+    eng = aeng.engine
+    deadline = time.monotonic() + timeout
+    while eng.has_unfinished_requests() or eng.stats().kv_usage > 0:
+        assert time.monotonic() < deadline, "request not aborted after the client left"
+        time.sleep(0.02)
+    assert eng.generation_tokens < MAX_TOKENS / 2  # aborted, not run to completion
+
+
+def _long_request(stream: bool) -> dict:
+    return {
+        "prompt": "Tell me a long story",
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+def test_streaming_disconnect_aborts(live_server):
+    aeng, url = live_server()
+    _slow(aeng)
+    with httpx.Client(base_url=url, timeout=10) as c:
+        with c.stream("POST", "/v1/completions", json=_long_request(True)) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [line for line, _ in zip(lines, range(6), strict=False) if line]
+            assert got and got[0].startswith("data: ")
+            assert aeng.engine.has_unfinished_requests()
+        # leaving the block closes the connection mid-stream
+        _assert_freed(aeng)
+        metrics = c.get("/metrics").text
+    assert 'kvpool_request_success_total{finish_reason="abort"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_non_streaming_disconnect_aborts(live_server, path):
+    aeng, url = live_server()
+    _slow(aeng)
+    body = _long_request(False)
+    if "chat" in path:
+        body["messages"] = [{"role": "user", "content": body.pop("prompt")}]
+    with httpx.Client(base_url=url, timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
+        c.post(path, json=body)
+    _assert_freed(aeng)
+    # the server keeps serving
+    with httpx.Client(base_url=url, timeout=10) as c:
+        r = c.post("/v1/completions", json={"prompt": "again", "max_tokens": 2})
+        assert r.status_code == 200, r.text
