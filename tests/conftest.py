@@ -41,17 +41,27 @@ def tiny_loaded_model(seed: int = 0, layers: int = 2, max_pos: int = 512):
     tok = tiny_tokenizer()
     vocab, hidden, inter = tok.vocab_size, 64, 128
     cfg = ModelConfig(
-        name="tiny-llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-        num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
-        max_position_embeddings=max_pos, eos_token_ids=tok.eos_token_ids,
+        name="tiny-llama",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=max_pos,
+        eos_token_ids=tok.eos_token_ids,
     )
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape, scale=0.08):
         return torch.randn(*shape, generator=g) * scale
 
-    w = {"model.embed_tokens.weight": rnd(vocab, hidden, scale=0.5),
-         "model.norm.weight": 1 + rnd(hidden)}
+    w = {
+        "model.embed_tokens.weight": rnd(vocab, hidden, scale=0.5),
+        "model.norm.weight": 1 + rnd(hidden),
+    }
     for i in range(layers):
         p = f"model.layers.{i}."
         w[p + "self_attn.q_proj.weight"] = rnd(64, hidden)
@@ -63,8 +73,9 @@ def tiny_loaded_model(seed: int = 0, layers: int = 2, max_pos: int = 512):
         w[p + "mlp.down_proj.weight"] = rnd(hidden, inter)
         w[p + "input_layernorm.weight"] = 1 + rnd(hidden)
         w[p + "post_attention_layernorm.weight"] = 1 + rnd(hidden)
-    return LoadedModel(config=cfg, weights=w, tokenizer=tok, fingerprint=f"tiny-{seed}",
-                       path="<random>")
+    return LoadedModel(
+        config=cfg, weights=w, tokenizer=tok, fingerprint=f"tiny-{seed}", path="<random>"
+    )
 
 
 @pytest.fixture(scope="session")

@@ -6,10 +6,26 @@ import re
 from dataclasses import dataclass
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "KIB": 2**10, "KI": 2**10,
-          "M": 10**6, "MB": 10**6, "MIB": 2**20, "MI": 2**20,
-          "G": 10**9, "GB": 10**9, "GIB": 2**30, "GI": 2**30,
-          "T": 10**12, "TB": 10**12, "TIB": 2**40, "TI": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 10**3,
+    "KB": 10**3,
+    "KIB": 2**10,
+    "KI": 2**10,
+    "M": 10**6,
+    "MB": 10**6,
+    "MIB": 2**20,
+    "MI": 2**20,
+    "G": 10**9,
+    "GB": 10**9,
+    "GIB": 2**30,
+    "GI": 2**30,
+    "T": 10**12,
+    "TB": 10**12,
+    "TIB": 2**40,
+    "TI": 2**40,
+}
 
 
 def parse_size(value: int | str) -> int:

@@ -47,9 +47,14 @@ def hf_tokens(llm, prompts):
     out = []
     with torch.no_grad():
         for p in prompts:
-            ids = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-            out.append(ids[0, len(p):].tolist())
+            ids = model.generate(
+                torch.tensor([p]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            out.append(ids[0, len(p) :].tolist())
     return out
 
 
@@ -79,13 +84,20 @@ def test_prefix_hit_equals_cold(llm, prompts, hf_tokens):
 
 
 def test_chunked_prefill_equals_one_shot(prompts, hf_tokens, llm):
-    chunked = LLM(dtype="float32", kv_cache_memory_bytes="128MiB", max_num_batched_tokens=13,
-                  enable_prefix_caching=False, loaded_model=llm.engine.loaded)
+    chunked = LLM(
+        dtype="float32",
+        kv_cache_memory_bytes="128MiB",
+        max_num_batched_tokens=13,
+        enable_prefix_caching=False,
+        loaded_model=llm.engine.loaded,
+    )
     assert tokens(chunked.generate(prompts, GREEDY)) == hf_tokens
 
 
 def test_chat_answers_sensibly(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0, max_tokens=30))[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=30),
+    )[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"  # ended by <|im_end|>, the model's EOS

@@ -16,7 +16,7 @@ def test_block_zero_is_reserved_and_allocation_is_in_order():
 
 def test_free_puts_uncached_first_and_cached_in_lru_order():
     pool = BlockPool(6)
-    a, b, c, d = pool.allocate(4)
+    a, b, c, _d = pool.allocate(4)
     pool.cache_block(a, b"ha", (1,))
     pool.cache_block(b, b"hb", (2,))
     pool.free([b])  # cached: goes to the tail

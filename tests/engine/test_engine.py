@@ -110,8 +110,11 @@ def test_stop_conditions(tiny_engine_factory):
     p = prompts(1)[0]
     free = tokens(run(eng, [p]))[0]
     # stop token id: the 4th generated token stops it (and is kept, as vLLM does)
-    out = run(eng, [p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                                        stop_token_ids=[free[3]]))[0].outputs[0]
+    out = run(
+        eng,
+        [p],
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[free[3]]),
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == free[3]
     assert out.token_ids == free[: free.index(free[3]) + 1]
     # max_tokens
@@ -134,8 +137,9 @@ def test_stop_string_truncates_text(tiny_engine_factory):
     full = text.outputs[0].text
     assert len(full) >= 4
     stop = full[2:4]
-    out = run(eng, [p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                                        stop=[stop]))[0].outputs[0]
+    out = run(eng, [p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]))[
+        0
+    ].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == full[: full.index(stop)]
 
@@ -143,25 +147,30 @@ def test_stop_string_truncates_text(tiny_engine_factory):
 def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_engine_factory):
     eng = tiny_engine_factory()
     ps = prompts(3)
-    sp = SamplingParams(temperature=5.0, top_p=0.9, top_k=50, seed=7, max_tokens=10,
-                        ignore_eos=True)
+    sp = SamplingParams(
+        temperature=5.0, top_p=0.9, top_k=50, seed=7, max_tokens=10, ignore_eos=True
+    )
     alone = [tokens(run(eng, [p], sp))[0] for p in ps]
     together = tokens(run(eng, ps, sp))
     assert together == alone
-    other = tokens(run(eng, ps[:1], SamplingParams(temperature=5.0, seed=8, max_tokens=10,
-                                                  ignore_eos=True)))[0]
+    other = tokens(
+        run(eng, ps[:1], SamplingParams(temperature=5.0, seed=8, max_tokens=10, ignore_eos=True))
+    )[0]
     assert other != alone[0]
 
 
 def test_llm_offline_api(tiny_model):
     llm = LLM(loaded_model=tiny_model, block_size=4, num_kv_blocks=64)
-    outs = llm.generate(["hello world", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=4,
-                                                                   ignore_eos=True))
+    outs = llm.generate(
+        ["hello world", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    )
     assert len(outs) == 2
     assert outs[0].prompt == "hello world"
     assert outs[0].prompt_token_ids == llm.get_tokenizer().encode("hello world")
     assert outs[1].prompt_token_ids == [1, 2, 3]
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
-    chat = llm.chat([{"role": "user", "content": "hi"}],
-                    SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    chat = llm.chat(
+        [{"role": "user", "content": "hi"}],
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+    )
     assert chat[0].prompt_token_ids[-3:] == llm.get_tokenizer().encode("assistant\n")[-3:]

@@ -93,7 +93,7 @@ def test_preemption_frees_latest_request_and_requeues_it_first():
 
 
 def test_waiting_request_waits_when_blocks_are_short():
-    s, pool = make(num_blocks=6, block_size=4, budget=64, caching=False)
+    s, _pool = make(num_blocks=6, block_size=4, budget=64, caching=False)
     s.add(req("a", 16))
     run_step(s)
     s.add(req("b", 8, start=40))

@@ -11,10 +11,16 @@ transformers = pytest.importorskip("transformers")
 def hf_model(loaded):
     c = loaded.config
     hc = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-        num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=True,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=True,
         rope_theta=c.rope_theta,
     )
     m = transformers.LlamaForCausalLM(hc).eval()
@@ -38,6 +44,11 @@ def test_greedy_tokens_equal_transformers(tiny_model, tiny_engine_factory):
                 done[int(out.request_id)] = out.outputs[0].token_ids
     for i, p in enumerate(items):
         with torch.no_grad():
-            want = ref.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+            want = ref.generate(
+                torch.tensor([p]),
+                max_new_tokens=16,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(p) :].tolist()
         assert done[i] == want, f"prompt {i}"

@@ -35,8 +35,13 @@ class KVCacheManager:
             return
         parent = req.block_hashes[-1] if have else None
         req.block_hashes.extend(
-            block_hashes(req.token_ids[:upto_tokens], self.block_size, self.hash_seed,
-                         start=have, parent=parent)
+            block_hashes(
+                req.token_ids[:upto_tokens],
+                self.block_size,
+                self.hash_seed,
+                start=have,
+                parent=parent,
+            )
         )
 
     def find_prefix(self, req: Request) -> PrefixHit:
@@ -53,7 +58,10 @@ class KVCacheManager:
         return PrefixHit(out, len(out) * bs)
 
     def allocate(
-        self, req: Request, num_new_tokens: int, prefix: list[KVBlock] | None = None,
+        self,
+        req: Request,
+        num_new_tokens: int,
+        prefix: list[KVBlock] | None = None,
         num_external: int = 0,
     ) -> list[KVBlock] | None:
         """Make room for ``num_new_tokens`` more tokens of ``req`` (after its computed ones).

@@ -28,12 +28,14 @@ class LLM:
     """
 
     def __init__(
-        self, model: str | None = None, dtype: str = "float32",
-        connector: KVConnector | None = None, **config,
+        self,
+        model: str | None = None,
+        dtype: str = "float32",
+        connector: KVConnector | None = None,
+        **config,
     ) -> None:
         loaded = config.pop("loaded_model", None)
-        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **config), loaded,
-                                connector)
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **config), loaded, connector)
         self._counter = 0
 
     def get_tokenizer(self):

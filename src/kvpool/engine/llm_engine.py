@@ -71,11 +71,16 @@ class LLMEngine:
         )
         self.kv_cache = allocate_kv_cache(self.model, num_blocks, bs)
         capacity = (num_blocks - 1) * bs
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
-                                 mc.max_position_embeddings, capacity)
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings, capacity
+        )
         self.namespace = kv_namespace(
-            self.loaded.fingerprint, dtype=config.dtype, block_size=bs,
-            num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+            self.loaded.fingerprint,
+            dtype=config.dtype,
+            block_size=bs,
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
         )
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.pool, bs, namespace_seed(self.namespace))
@@ -83,7 +88,8 @@ class LLMEngine:
         self.connector.bind(self.kv_cache, bs, self.namespace)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
-            self.kv_manager, self.connector,
+            self.kv_manager,
+            self.connector,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, bs)
         self.output = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)
@@ -93,8 +99,13 @@ class LLMEngine:
         self.generation_tokens = 0
         logger.info(
             "engine ready in %.1fs: %s, %s, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
-            time.perf_counter() - t0, mc.name, config.dtype, num_blocks, bs,
-            self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.max_model_len,
+            time.perf_counter() - t0,
+            mc.name,
+            config.dtype,
+            num_blocks,
+            bs,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+            self.max_model_len,
         )
 
     # -- requests ---------------------------------------------------------------------------
@@ -121,8 +132,9 @@ class LLMEngine:
         params = params or SamplingParams()
         ids = self.tokenize(prompt)
         self.check_length(len(ids), params)
-        req = Request(request_id, ids, params, prompt if isinstance(prompt, str) else None,
-                      arrival_time)
+        req = Request(
+            request_id, ids, params, prompt if isinstance(prompt, str) else None, arrival_time
+        )
         self.output.start(req)
         self.requests[request_id] = req
         self.scheduler.add(req)

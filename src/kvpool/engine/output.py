@@ -74,8 +74,11 @@ class OutputProcessor:
             request_id=req.request_id,
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
-            outputs=[CompletionOutput(0, req.text, list(req.output_token_ids),
-                                      req.finish_reason, req.stop_reason)],
+            outputs=[
+                CompletionOutput(
+                    0, req.text, list(req.output_token_ids), req.finish_reason, req.stop_reason
+                )
+            ],
             finished=req.finish_reason is not None,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             metrics=req.metrics,

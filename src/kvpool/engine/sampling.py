@@ -50,7 +50,9 @@ class SamplingParams:
         self._stop = tuple(stop)
         ids = list(self.stop_token_ids or [])
         if any(not isinstance(t, int) or t < 0 for t in ids):
-            raise BadRequestError("stop_token_ids must be non-negative integers", param="stop_token_ids")
+            raise BadRequestError(
+                "stop_token_ids must be non-negative integers", param="stop_token_ids"
+            )
         self.stop_token_ids = ids
 
     @property
