@@ -15,23 +15,33 @@ from kvpool.model.attention import AttentionMetadata, paged_attention
 from kvpool.model.config import ModelConfig
 
 
+def _t(weight: torch.Tensor) -> torch.Tensor:
+    return weight.t().contiguous()
+
+
+def _mm(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
+
+
 class _Layer:
     __slots__ = ("down", "gate_up", "ln_attn", "ln_mlp", "o", "qkv", "qkv_bias")
 
     def __init__(self, w: dict[str, torch.Tensor], prefix: str, bias: bool) -> None:
         a = prefix + "self_attn."
-        self.qkv = torch.cat(
-            [w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]
-        ).contiguous()
+        # Weights are kept transposed ([in, out], contiguous): x @ W runs 2-3x faster on CPU
+        # BLAS than F.linear's x @ W.T at the small batch sizes of decode steps.
+        self.qkv = _t(
+            torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])
+        )
         self.qkv_bias = (
             torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
             if bias
             else None
         )
-        self.o = w[a + "o_proj.weight"].contiguous()
+        self.o = _t(w[a + "o_proj.weight"])
         m = prefix + "mlp."
-        self.gate_up = torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]).contiguous()
-        self.down = w[m + "down_proj.weight"].contiguous()
+        self.gate_up = _t(torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]))
+        self.down = _t(w[m + "down_proj.weight"])
         self.ln_attn = w[prefix + "input_layernorm.weight"]
         self.ln_mlp = w[prefix + "post_attention_layernorm.weight"]
 
@@ -72,7 +82,7 @@ class LlamaModel:
         self.dtype = dtype
         w = {k: t.to(dtype) for k, t in weights.items()}
         self.embed = w["model.embed_tokens.weight"].contiguous()
-        self.lm_head = w.get("lm_head.weight", self.embed).contiguous()
+        self.lm_head = _t(w.get("lm_head.weight", self.embed))
         self.norm = w["model.norm.weight"]
         self.layers = [
             _Layer(w, f"model.layers.{i}.", cfg.attention_bias) for i in range(cfg.num_layers)
@@ -109,19 +119,19 @@ class LlamaModel:
         t = input_ids.shape[0]
         for i, layer in enumerate(self.layers):
             x = self._rms(h, layer.ln_attn)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = _mm(x, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self._rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
             k = self._rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
             a = paged_attention(q, k, v, kv_cache[:, i], meta)
-            h = h + F.linear(a, layer.o)
+            h = h + _mm(a, layer.o)
             x = self._rms(h, layer.ln_mlp)
-            gu = F.linear(x, layer.gate_up)
+            gu = _mm(x, layer.gate_up)
             g, u = gu.chunk(2, dim=-1)
-            h = h + F.linear(F.silu(g) * u, layer.down)
+            h = h + _mm(F.silu(g) * u, layer.down)
         return self._rms(h, self.norm)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the selected hidden states."""
-        return F.linear(hidden, self.lm_head).float()
+        return _mm(hidden, self.lm_head).float()

@@ -1,0 +1,59 @@
+"""Helpers shared by the benchmarks: timing, result tables, JSON output, the cache folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("KVPOOL_BENCH_CACHE", ROOT / ".cache" / "bench"))
+
+
+def log(msg: str) -> None:
+    """Progress line on stderr (benchmarks are long; say what is happening)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class Results:
+    """Figures and ratios of one benchmark run, printed as a table and saved as JSON."""
+
+    def __init__(self, name: str, args: dict) -> None:
+        self.name = name
+        self.args = args
+        self.figures: dict[str, float] = {}
+        self.ratios: dict[str, float] = {}
+
+    def figure(self, key: str, value: float) -> float:
+        self.figures[key] = round(float(value), 4)
+        log(f"{key} = {value:.4g}")
+        return value
+
+    def ratio(self, key: str, ours: float, base: float, higher_is_better: bool = True) -> None:
+        r = ours / base if base else float("nan")
+        self.ratios[key] = round(r, 3)
+        log(f"{key} = {r:.2f}x" + ("" if higher_is_better else " (lower is better)"))
+
+    def dump(self, path: str | None) -> None:
+        width = max(len(k) for k in [*self.figures, *self.ratios, "x"])
+        print(f"\n== {self.name}")
+        for k, v in self.figures.items():
+            print(f"  {k:<{width}}  {v:>12.4g}")
+        print("  ratios:")
+        for k, v in self.ratios.items():
+            print(f"  {k:<{width}}  {v:>11.2f}x")
+        if path:
+            doc = {
+                "benchmark": self.name,
+                "args": self.args,
+                "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                            "platform": platform.platform()},
+                "figures": self.figures,
+                "ratios": self.ratios,
+            }
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+            log(f"wrote {path}")
