@@ -99,9 +99,10 @@ class LlamaModel:
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
-        rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # rotate_half
         return x * cos + rot * sin
 
     def forward(
@@ -117,19 +118,22 @@ class LlamaModel:
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         t = input_ids.shape[0]
+        heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        inter = cfg.intermediate_size
         for i, layer in enumerate(self.layers):
             x = self._rms(h, layer.ln_attn)
             qkv = _mm(x, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self._rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = self._rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+            # q and k rotate together: one RoPE pass over [T, Hq + Hkv, D]
+            qk = self._rope(qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, d),
+                            cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, d)
             a = paged_attention(q, k, v, kv_cache[:, i], meta)
-            h = h + _mm(a, layer.o)
+            h = torch.addmm(h, a, layer.o)  # residual add fused into the GEMM
             x = self._rms(h, layer.ln_mlp)
             gu = _mm(x, layer.gate_up)
-            g, u = gu.chunk(2, dim=-1)
-            h = h + _mm(F.silu(g) * u, layer.down)
+            act = F.silu(gu[:, :inter], inplace=True).mul_(gu[:, inter:])
+            h = torch.addmm(h, act, layer.down)
         return self._rms(h, self.norm)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
