@@ -38,18 +38,27 @@ def main() -> None:
     import torch
     import vllm
     from vllm import LLM, SamplingParams
+    from vllm.platforms import current_platform
 
     with open(args.prompts) as f:
         prompts = json.load(f)
+    supported = [str(d).removeprefix("torch.") for d in current_platform.supported_dtypes]
+    dtype, dtype_note = args.dtype, ""
+    if dtype not in supported:
+        dtype = "float32" if "float32" in supported else supported[0]
+        dtype_note = (
+            f"{args.dtype} is not supported by vllm on this CPU ({supported}); used {dtype}"
+        )
+        say(dtype_note)
     say(
         f"vllm {vllm.__version__}, torch {torch.__version__}, {len(prompts)} prompts, "
-        f"dtype {args.dtype}, prefix caching {args.prefix_caching}"
+        f"dtype {dtype} (supported {supported}), prefix caching {args.prefix_caching}"
     )
 
     t0 = time.monotonic()
     llm = LLM(
         model=args.model,
-        dtype=args.dtype,
+        dtype=dtype,
         enable_prefix_caching=args.prefix_caching == "on",
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
@@ -58,6 +67,8 @@ def main() -> None:
     )
     load_s = time.monotonic() - t0
     used_dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
+    if used_dtype != args.dtype and not dtype_note:
+        dtype_note = f"vllm chose {used_dtype} for the requested {args.dtype}"
     say(f"loaded in {load_s:.1f} s; model dtype {used_dtype}")
 
     def params(n: int) -> SamplingParams:
@@ -87,6 +98,8 @@ def main() -> None:
         "prefix_caching": args.prefix_caching == "on",
         "dtype": used_dtype,
         "dtype_requested": args.dtype,
+        "dtype_note": dtype_note,
+        "supported_dtypes": supported,
         "vllm_version": vllm.__version__,
         "torch_version": torch.__version__,
         "first_output": list(outs[0].outputs[0].token_ids[:8]),

@@ -231,6 +231,10 @@ def _run_env() -> dict:
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        # vllm 0.32 + torch 2.13 cannot load its own AOT-compiled artifacts ("'function' object
+        # has no attribute 'finalize_loading'") and recompiles for ~2 min on every start; the
+        # older inductor cache path loads fine (~25 s warm-up once cached)
+        "VLLM_USE_AOT_COMPILE": os.environ.get("VLLM_USE_AOT_COMPILE", "0"),
         "VIRTUAL_ENV": str(VENV),
         "PATH": f"{VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
     }
@@ -307,6 +311,7 @@ def run_vllm(args, prompts: list[list[int]], new_tokens: int) -> dict:
         "torch_version": on["torch_version"],
         "dtype": on["dtype"],
         "dtype_requested": requested,
+        "supported_dtypes": on.get("supported_dtypes"),
         "output_tokens": on["output_tokens"],
         "load_seconds": on["load_seconds"],
         "prefix_cache_hit_tokens": on.get("prefix_cache_hit_tokens"),
