@@ -174,3 +174,33 @@ def test_llm_offline_api(tiny_model):
         SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
     )
     assert chat[0].prompt_token_ids[-3:] == llm.get_tokenizer().encode("assistant\n")[-3:]
+
+
+def test_requests_in_one_step_share_a_prefix(tiny_engine_factory, alone):
+    eng = tiny_engine_factory(max_num_batched_tokens=256)
+    p = prompts()[2]  # 34 tokens: 8 full blocks of 4
+    shared = [p, p[:32] + [7, 8, 9]]
+    outs = run(eng, shared)
+    assert eng.stats().steps == len(outs[0].outputs[0].token_ids)  # both prefilled in step 1
+    assert outs[0].num_cached_tokens == 0
+    assert outs[1].num_cached_tokens == 32  # blocks registered by the first, same step
+    assert outs[0].outputs[0].token_ids == alone[2]
+    solo = tiny_engine_factory(enable_prefix_caching=False)
+    assert tokens(run(solo, [shared[1]])) == tokens(outs[1:])
+
+
+def test_failed_step_forgets_blocks_it_registered(tiny_engine_factory, monkeypatch):
+    eng = tiny_engine_factory()
+    p = prompts()[0]
+
+    def boom(chunks):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(eng.runner, "execute", boom)
+    eng.add_request("a", p, GREEDY)
+    with pytest.raises(RuntimeError):
+        eng.step()
+    eng.abort_request("a")
+    monkeypatch.undo()
+    out = run(eng, [p])[0]
+    assert out.num_cached_tokens == 0  # nothing of the failed step's garbage is reused

@@ -114,6 +114,10 @@ class BlockPool:
         self._cached[block_hash] = block
         return True
 
+    def uncache(self, block: KVBlock) -> None:
+        """Drop a block's hash (its contents are not what the hash promises)."""
+        self._drop_hash(block, evicted=False)
+
     def reset_cache(self) -> int:
         """Forget every cached hash of free blocks; returns how many were dropped."""
         n = 0

@@ -88,10 +88,19 @@ class KVCacheManager:
         req.block_ids = [b.block_id for b in have]
         return new
 
-    def cache_full_blocks(self, req: Request) -> list[BlockRef]:
-        """Register blocks whose every token has KV now; return the newly registered ones."""
+    def cache_full_blocks(self, req: Request, num_tokens: int | None = None) -> list[BlockRef]:
+        """Register the full blocks among ``req``'s first ``num_tokens`` tokens (default: its
+        computed ones); return the newly registered ones.
+
+        The scheduler registers a chunk's blocks when it schedules the chunk, before they are
+        computed: every write of a step's KV precedes every read of it (per layer), so another
+        request scheduled in the same step can already share them, as in vLLM. If the step
+        fails, the engine must :meth:`forget` them.
+        """
         have = self._blocks.get(req.request_id, [])
-        num_full = req.num_computed_tokens // self.block_size
+        if num_tokens is None:
+            num_tokens = req.num_computed_tokens
+        num_full = num_tokens // self.block_size
         first = self._num_registered.get(req.request_id, 0)
         if num_full <= first:
             return []
@@ -107,6 +116,12 @@ class KVCacheManager:
             if self.pool.cache_block(block, req.block_hashes[i], toks):
                 out.append(BlockRef(block.block_id, req.block_hashes[i], toks))
         return out
+
+    def forget(self, refs: list[BlockRef]) -> None:
+        """Unregister blocks whose KV was never computed (a failed step)."""
+        for r in refs:
+            self.pool.uncache(self.pool.blocks[r.block_id])
+        self._num_registered.clear()
 
     def get_blocks(self, req: Request) -> list[KVBlock]:
         return self._blocks.get(req.request_id, [])

@@ -12,7 +12,7 @@ from kvpool.common.errors import BadRequestError, NotFoundError
 from kvpool.common.hashing import kv_namespace, namespace_seed
 from kvpool.config import EngineConfig
 from kvpool.engine.block_pool import BlockPool
-from kvpool.engine.connector import KVConnector, NoopConnector
+from kvpool.engine.connector import BlockRef, KVConnector, NoopConnector
 from kvpool.engine.kv_cache_manager import KVCacheManager
 from kvpool.engine.model_runner import (
     ModelRunner,
@@ -176,14 +176,18 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.chunks:
             return []
-        tokens = self.runner.execute(sched.chunks)
+        try:
+            tokens = self.runner.execute(sched.chunks)
+        except BaseException:
+            self.kv_manager.forget(sched.new_blocks)  # their KV was never written
+            raise
+        self._save(sched.new_blocks)
         now = time.monotonic()
         outs = []
         it = iter(tokens)
         for ch in sched.chunks:
             req = ch.request
             req.num_computed_tokens = ch.start + ch.num_tokens
-            self._save_full_blocks(req)
             if not ch.completes:
                 continue
             self.generation_tokens += 1
@@ -198,8 +202,7 @@ class LLMEngine:
         self.scheduler.finish(req)
         self.requests.pop(req.request_id, None)
 
-    def _save_full_blocks(self, req: Request) -> None:
-        refs = self.kv_manager.cache_full_blocks(req)
+    def _save(self, refs: list[BlockRef]) -> None:
         if not refs or not self.connector.saves:
             return
         blocks = [self.pool.blocks[r.block_id] for r in refs]

@@ -48,6 +48,7 @@ class SchedulerStats:
 class Schedule:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    new_blocks: list[BlockRef] = field(default_factory=list)  # full once this step computes
 
     @property
     def num_tokens(self) -> int:
@@ -94,7 +95,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+                self._add_chunk(out, req, req.num_computed_tokens, n)
                 budget -= n
                 i += 1
         return budget
@@ -133,8 +134,13 @@ class Scheduler:
                 req.metrics.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.chunks.append(ScheduledChunk(req, computed, n))
+            self.kv.cache_full_blocks(req, computed)  # loaded blocks: no need to save them back
+            self._add_chunk(out, req, computed, n)
             budget -= n
+
+    def _add_chunk(self, out: Schedule, req: Request, start: int, n: int) -> None:
+        out.chunks.append(ScheduledChunk(req, start, n))
+        out.new_blocks.extend(self.kv.cache_full_blocks(req, start + n))
 
     def _external_blocks(self, req: Request, start: int) -> int:
         max_blocks = (req.num_tokens - 1) // self.kv.block_size
