@@ -58,6 +58,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; default: all cores
     served_model_name: str | None = None
+    use_kernels: bool = True  # compiled paged-attention kernel (falls back if unavailable)
 
     def __post_init__(self) -> None:
         if self.dtype in ("bf16", "auto"):

@@ -24,6 +24,7 @@ from kvpool.engine.output import OutputProcessor
 from kvpool.engine.request import Request, RequestOutput, RequestStatus
 from kvpool.engine.sampling import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerConfig
+from kvpool.model.kernels import paged_kernels
 from kvpool.model.llama import LlamaModel
 from kvpool.model.loader import LoadedModel, load_model
 
@@ -91,7 +92,8 @@ class LLMEngine:
             self.kv_manager,
             self.connector,
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, bs)
+        kernels = paged_kernels() if config.use_kernels else None
+        self.runner = ModelRunner(self.model, self.kv_cache, bs, kernels)
         self.output = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._saving: dict[int, int] = {}  # block id -> references held for connector saves

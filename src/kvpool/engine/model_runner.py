@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -51,10 +52,14 @@ def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
 class ModelRunner:
     """Owns the model and the KV tensor; runs one engine step."""
 
-    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int) -> None:
+    def __init__(
+        self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int,
+        kernels: ModuleType | None = None,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
+        self.kernels = kernels  # compiled paged-attention kernels, or None for gather + SDPA
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
         """Flatten the chunks (decodes first, as the runner was given them) into model inputs."""
@@ -92,18 +97,22 @@ class ModelRunner:
             slot_offsets=positions % bs,
             num_decodes=len(decode_lens),
             decode_block_table=None,
+            decode_lens=None,
             decode_mask=None,
             prefills=prefills,
+            kernels=self.kernels,
         )
         if decode_lens:
             width = max(len(t) for t in decode_tables)
             meta.decode_block_table = torch.tensor(
                 [t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long
             )
-            lens = torch.tensor(decode_lens)
-            meta.decode_mask = (torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1))[
-                :, None, None, :
-            ]
+            lens = torch.tensor(decode_lens, dtype=torch.long)
+            meta.decode_lens = lens
+            if self.kernels is None:
+                meta.decode_mask = (torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1))[
+                    :, None, None, :
+                ]
         return StepInputs(torch.tensor(ids, dtype=torch.long), positions, meta, sample_rows)
 
     @torch.inference_mode()

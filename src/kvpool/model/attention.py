@@ -9,6 +9,7 @@ into one call; multi-token chunks (prefills) attend one sequence at a time.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +34,10 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [T] long: offset inside that block
     num_decodes: int  # the first num_decodes tokens are one-token queries
     decode_block_table: torch.Tensor | None  # [B, max_blocks] long, padded with block 0
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool
+    decode_lens: torch.Tensor | None  # [B] long: context length of each decode
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool (no kernel)
     prefills: list[PrefillSeq]
+    kernels: ModuleType | None = None  # compiled paged kernels (kvpool.model.kernels)
 
 
 def write_kv(
@@ -60,7 +63,12 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     out = q.new_empty(num_tokens, num_heads, head_dim)
     nd = meta.num_decodes
-    if nd:
+    if nd and meta.kernels is not None:
+        out[:nd] = meta.kernels.paged_decode_attention(
+            q[:nd].contiguous(), kv_layer, meta.decode_block_table, meta.decode_lens,
+            head_dim**-0.5,
+        )
+    elif nd:
         out[:nd] = _decode_attention(q[:nd], kv_layer, meta.decode_block_table, meta.decode_mask)
     for seq in meta.prefills:
         out[seq.start : seq.end] = _prefill_attention(q, k, v, kv_layer, seq)

@@ -1,0 +1,122 @@
+// Decode attention straight over the paged, block-major KV cache (no gather copy).
+//
+// One query token per sequence. Each (sequence, KV head) pair is one task: the task reads the
+// sequence's keys and values block by block where they lie in the cache, once each, for all
+// query heads of its group (GQA), so shared prefix blocks stay hot in cache across sequences.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+
+// Lane-wise partial sums (vectorizes without -ffast-math), reduced once at the end.
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t d) {
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes)
+    for (int64_t j = 0; j < kLanes; ++j) lanes[j] += q[i + j] * static_cast<float>(k[i + j]);
+  float s = 0.f;
+  for (; i < d; ++i) s += q[i] * static_cast<float>(k[i]);
+  for (int64_t j = 0; j < kLanes; ++j) s += lanes[j];
+  return s;
+}
+
+template <typename T>
+inline void axpy(float a, const T* v, float* acc, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) acc[i] += a * static_cast<float>(v[i]);
+}
+
+struct Shape {
+  int64_t batch, q_heads, kv_heads, head_dim, block_size, max_blocks;
+  int64_t s_block, s_kv, s_tok, s_head;  // strides of the [blocks, 2, bs, Hkv, D] layer view
+  float scale;
+};
+
+template <typename T>
+void decode(const T* q, const T* kv, const int64_t* table, const int64_t* lens, T* out,
+            const Shape& s) {
+  const int64_t group = s.q_heads / s.kv_heads, d = s.head_dim;
+  at::parallel_for(0, s.batch * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * d), acc(group * d), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / s.kv_heads, h = task % s.kv_heads, len = lens[b];
+      const int64_t* blocks = table + b * s.max_blocks;
+      const T* q0 = q + (b * s.q_heads + h * group) * d;
+      for (int64_t i = 0; i < group * d; ++i) qf[i] = static_cast<float>(q0[i]) * s.scale;
+      scores.assign(group * len, 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const T* k = kv + blocks[t / s.block_size] * s.s_block + (t % s.block_size) * s.s_tok +
+                     h * s.s_head;
+        for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(&qf[g * d], k, d);
+      }
+      std::vector<float> denom(group);
+      for (int64_t g = 0; g < group; ++g) {
+        float* row = &scores[g * len];
+        const float m = *std::max_element(row, row + len);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          row[t] = std::exp(row[t] - m);
+          sum += row[t];
+        }
+        denom[g] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const T* v = kv + blocks[t / s.block_size] * s.s_block + s.s_kv +
+                     (t % s.block_size) * s.s_tok + h * s.s_head;
+        for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + t], v, &acc[g * d], d);
+      }
+      T* o = out + (b * s.q_heads + h * group) * d;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < d; ++i) o[g * d + i] = static_cast<T>(acc[g * d + i] / denom[g]);
+    }
+  });
+}
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_layer,
+                                     torch::Tensor block_table, torch::Tensor lens,
+                                     double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B, Hq, D] tensor");
+  TORCH_CHECK(kv_layer.dim() == 5 && kv_layer.size(1) == 2, "kv_layer must be [N, 2, BS, H, D]");
+  TORCH_CHECK(kv_layer.stride(4) == 1 && kv_layer.stride(3) == kv_layer.size(4),
+              "kv_layer heads must be contiguous");
+  TORCH_CHECK(q.scalar_type() == kv_layer.scalar_type(), "q and kv dtypes differ");
+  TORCH_CHECK(block_table.scalar_type() == torch::kLong && block_table.is_contiguous() &&
+                  block_table.dim() == 2 && block_table.size(0) == q.size(0),
+              "block_table must be a contiguous int64 [B, max_blocks] tensor");
+  TORCH_CHECK(lens.scalar_type() == torch::kLong && lens.is_contiguous() &&
+                  lens.numel() == q.size(0), "lens must be a contiguous int64 [B] tensor");
+  Shape s{q.size(0), q.size(1), kv_layer.size(3), q.size(2), kv_layer.size(2),
+          block_table.size(1), kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2),
+          kv_layer.stride(3), static_cast<float>(scale)};
+  TORCH_CHECK(s.head_dim == kv_layer.size(4) && s.q_heads % s.kv_heads == 0, "bad head shapes");
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* tp = block_table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < s.batch; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= s.max_blocks * s.block_size, "length out of range");
+    for (int64_t j = 0; j < (lp[b] + s.block_size - 1) / s.block_size; ++j)
+      TORCH_CHECK(tp[b * s.max_blocks + j] >= 0 && tp[b * s.max_blocks + j] < kv_layer.size(0),
+                  "block id out of range");
+  }
+  auto out = torch::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode_attention", [&] {
+    decode<scalar_t>(q.data_ptr<scalar_t>(), kv_layer.data_ptr<scalar_t>(), tp, lp,
+                     out.data_ptr<scalar_t>(), s);
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "decode attention over a paged block-major KV cache");
+}
