@@ -40,6 +40,36 @@ struct Shape {
   float scale;
 };
 
+// Scores of one KV head's query group against every cached key of one sequence.
+template <typename T>
+void group_scores(const float* qf, const T* kv, const int64_t* blocks, int64_t len,
+                  int64_t group, int64_t h, const Shape& s, float* scores) {
+  const int64_t d = s.head_dim;
+  for (int64_t t0 = 0, j = 0; t0 < len; t0 += s.block_size, ++j) {
+    const T* kb = kv + blocks[j] * s.s_block + h * s.s_head;
+    const int64_t n = std::min(s.block_size, len - t0);
+    for (int64_t t = 0; t < n; ++t) {
+      const T* k = kb + t * s.s_tok;
+      for (int64_t g = 0; g < group; ++g) scores[g * len + t0 + t] = dot(qf + g * d, k, d);
+    }
+  }
+}
+
+// Softmax of each group row in place; returns nothing, rows sum to 1.
+inline void softmax_rows(float* scores, int64_t group, int64_t len) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores + g * len;
+    const float m = *std::max_element(row, row + len);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) {
+      row[t] = std::exp(row[t] - m);
+      sum += row[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < len; ++t) row[t] *= inv;
+  }
+}
+
 template <typename T>
 void decode(const T* q, const T* kv, const int64_t* table, const int64_t* lens, T* out,
             const Shape& s) {
@@ -51,32 +81,19 @@ void decode(const T* q, const T* kv, const int64_t* table, const int64_t* lens, 
       const int64_t* blocks = table + b * s.max_blocks;
       const T* q0 = q + (b * s.q_heads + h * group) * d;
       for (int64_t i = 0; i < group * d; ++i) qf[i] = static_cast<float>(q0[i]) * s.scale;
-      scores.assign(group * len, 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const T* k = kv + blocks[t / s.block_size] * s.s_block + (t % s.block_size) * s.s_tok +
-                     h * s.s_head;
-        for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(&qf[g * d], k, d);
-      }
-      std::vector<float> denom(group);
-      for (int64_t g = 0; g < group; ++g) {
-        float* row = &scores[g * len];
-        const float m = *std::max_element(row, row + len);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-          row[t] = std::exp(row[t] - m);
-          sum += row[t];
-        }
-        denom[g] = sum;
-      }
+      scores.resize(group * len);
+      group_scores(qf.data(), kv, blocks, len, group, h, s, scores.data());
+      softmax_rows(scores.data(), group, len);
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const T* v = kv + blocks[t / s.block_size] * s.s_block + s.s_kv +
-                     (t % s.block_size) * s.s_tok + h * s.s_head;
-        for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + t], v, &acc[g * d], d);
+      for (int64_t t0 = 0, j = 0; t0 < len; t0 += s.block_size, ++j) {
+        const T* vb = kv + blocks[j] * s.s_block + s.s_kv + h * s.s_head;
+        const int64_t n = std::min(s.block_size, len - t0);
+        for (int64_t t = 0; t < n; ++t)
+          for (int64_t g = 0; g < group; ++g)
+            axpy(scores[g * len + t0 + t], vb + t * s.s_tok, &acc[g * d], d);
       }
       T* o = out + (b * s.q_heads + h * group) * d;
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < d; ++i) o[g * d + i] = static_cast<T>(acc[g * d + i] / denom[g]);
+      for (int64_t i = 0; i < group * d; ++i) o[i] = static_cast<T>(acc[i]);
     }
   });
 }
