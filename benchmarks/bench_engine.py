@@ -142,6 +142,8 @@ def bench_shared_prefix(res: Results, llm, args) -> float:
 
         out = run_vllm(args, prompts, new)
         vt = res.figure("shared_prefix_vllm_s", out["seconds"])
+        if out.get("prefix_caching_off_seconds"):
+            res.figure("shared_prefix_vllm_no_prefix_cache_s", out["prefix_caching_off_seconds"])
         res.figure("shared_prefix_vllm_tok_s", n * (length + new) / vt)
         res.ratio("offline_shared_prefix_vs_vllm", vt, total)
     return total
