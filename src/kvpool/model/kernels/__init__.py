@@ -56,7 +56,7 @@ def _load() -> ModuleType | None:
             name="kvpool_paged_attention",
             sources=[str(_SOURCE)],
             # -fopenmp: at::parallel_for is header code, serial unless built with OpenMP
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build),
             verbose=False,

@@ -61,6 +61,8 @@ inline void softmax_rows(float* scores, int64_t group, int64_t len) {
     float* row = scores + g * len;
     const float m = *std::max_element(row, row + len);
     float sum = 0.f;
+    // vectorized through glibc's libmvec (-ffast-math declares its SIMD expf)
+#pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < len; ++t) {
       row[t] = std::exp(row[t] - m);
       sum += row[t];
