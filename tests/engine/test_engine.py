@@ -179,7 +179,7 @@ def test_llm_offline_api(tiny_model):
 def test_requests_in_one_step_share_a_prefix(tiny_engine_factory, alone):
     eng = tiny_engine_factory(max_num_batched_tokens=256)
     p = prompts()[2]  # 34 tokens: 8 full blocks of 4
-    shared = [p, p[:32] + [7, 8, 9]]
+    shared = [p, [*p[:32], 7, 8, 9]]
     outs = run(eng, shared)
     assert eng.stats().steps == len(outs[0].outputs[0].token_ids)  # both prefilled in step 1
     assert outs[0].num_cached_tokens == 0
