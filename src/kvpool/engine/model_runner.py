@@ -53,7 +53,10 @@ class ModelRunner:
     """Owns the model and the KV tensor; runs one engine step."""
 
     def __init__(
-        self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int,
+        self,
+        model: LlamaModel,
+        kv_cache: torch.Tensor,
+        block_size: int,
         kernels: ModuleType | None = None,
     ) -> None:
         self.model = model

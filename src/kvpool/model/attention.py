@@ -65,7 +65,10 @@ def paged_attention(
     nd = meta.num_decodes
     if nd and meta.kernels is not None:
         out[:nd] = meta.kernels.paged_decode_attention(
-            q[:nd].contiguous(), kv_layer, meta.decode_block_table, meta.decode_lens,
+            q[:nd].contiguous(),
+            kv_layer,
+            meta.decode_block_table,
+            meta.decode_lens,
             head_dim**-0.5,
         )
     elif nd:
