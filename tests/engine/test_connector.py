@@ -65,6 +65,14 @@ class DictConnector(KVConnector):
             t.join()
 
 
+def generate_one(eng, prompt, sp):
+    """Run one request to completion; its final output."""
+    eng.add_request("r", prompt, sp)
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+    return outs[0]
+
+
 def test_blocks_saved_by_one_engine_are_loaded_by_another(tiny_engine_factory):
     g = torch.Generator().manual_seed(5)
     prompt = torch.randint(0, 256, (41,), generator=g).tolist()
@@ -72,10 +80,7 @@ def test_blocks_saved_by_one_engine_are_loaded_by_another(tiny_engine_factory):
 
     a_conn = DictConnector()
     a = tiny_engine_factory(connector=a_conn)
-    a.add_request("a", prompt, sp)
-    while a.has_unfinished_requests():
-        outs = a.step()
-    cold = outs[0].outputs[0].token_ids
+    cold = generate_one(a, prompt, sp).outputs[0].token_ids
     a.close()
     a._release_saved()
     assert len(a_conn.store) >= 10  # 41 prompt + 7 decoded tokens: 12 full blocks of 4
@@ -84,11 +89,9 @@ def test_blocks_saved_by_one_engine_are_loaded_by_another(tiny_engine_factory):
 
     b_conn = DictConnector(a_conn.store)
     b = tiny_engine_factory(connector=b_conn)
-    b.add_request("b", prompt, sp)
-    while b.has_unfinished_requests():
-        outs = b.step()
-    assert outs[0].outputs[0].token_ids == cold
-    assert outs[0].num_cached_tokens == 40  # 10 blocks; the last token is always computed
+    out = generate_one(b, prompt, sp)
+    assert out.outputs[0].token_ids == cold
+    assert out.num_cached_tokens == 40  # 10 blocks; the last token is always computed
     assert b_conn.loaded == 10
     assert b.stats().external_prefix_hits == 40
 
@@ -99,18 +102,12 @@ def test_corrupt_external_block_is_a_miss(tiny_engine_factory):
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     conn = DictConnector()
     a = tiny_engine_factory(connector=conn)
-    a.add_request("a", prompt, sp)
-    while a.has_unfinished_requests():
-        outs = a.step()
-    cold = outs[0].outputs[0].token_ids
+    cold = generate_one(a, prompt, sp).outputs[0].token_ids
     a.close()
     # Forge block 2's stored tokens: the loader must stop there and compute the rest.
     keys = list(conn.store)  # insertion order = block order
     toks, data = conn.store[keys[2]]
     conn.store[keys[2]] = ((-1, *toks[1:]), data)
-    b = tiny_engine_factory(connector=DictConnector(conn.store))
-    b.add_request("b", prompt, sp)
-    while b.has_unfinished_requests():
-        outs = b.step()
-    assert outs[0].outputs[0].token_ids == cold
-    assert outs[0].num_cached_tokens == 8
+    out = generate_one(tiny_engine_factory(connector=DictConnector(conn.store)), prompt, sp)
+    assert out.outputs[0].token_ids == cold
+    assert out.num_cached_tokens == 8
