@@ -18,8 +18,7 @@ logger = logging.getLogger(__name__)
 
 
 def engine_alive(aeng: AsyncLLMEngine) -> bool:
-    """True while the engine thread runs and has not been declared dead."""
-    # AsyncLLMEngine has no public liveness check yet (an ``is_alive()`` is proposed).
+    """True while the engine thread runs."""
     return aeng.is_alive()
 
 
