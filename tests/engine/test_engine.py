@@ -204,3 +204,37 @@ def test_failed_step_forgets_blocks_it_registered(tiny_engine_factory, monkeypat
     monkeypatch.undo()
     out = run(eng, [p])[0]
     assert out.num_cached_tokens == 0  # nothing of the failed step's garbage is reused
+
+
+def test_include_stop_str_and_chat_batches(tiny_model):
+    llm = LLM(loaded_model=tiny_model, block_size=4, num_kv_blocks=64)
+    free = (
+        llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+        .outputs[0]
+        .text
+    )
+    assert len(free) >= 3
+    stop = free[1:3]
+    out = llm.generate(
+        [[5, 6, 7]],
+        SamplingParams(
+            temperature=0,
+            max_tokens=10,
+            ignore_eos=True,
+            stop=stop,
+            include_stop_str_in_output=True,
+        ),
+    )
+    assert out[0].outputs[0].text == free[: free.index(stop) + len(stop)]
+    convs = [[{"role": "user", "content": "a"}], [{"role": "user", "content": "bb"}]]
+    outs = llm.chat(convs, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert len(outs) == 2 and outs[0].prompt_token_ids != outs[1].prompt_token_ids
+
+
+def test_import_kvpool_does_not_load_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, kvpool; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
