@@ -24,10 +24,11 @@ def case(dtype, batch=5, heads=6, kv_heads=2, d=16, bs=4, layers=3, blocks=40, s
     return q, cache[:, 1], table, lens, mask
 
 
+@pytest.mark.parametrize("batch", [1, 5])  # one task per KV head / per sequence
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_kernel_matches_reference(dtype, tol):
+def test_kernel_matches_reference(dtype, tol, batch):
     for seed in range(3):
-        q, layer, table, lens, mask = case(dtype, seed=seed)
+        q, layer, table, lens, mask = case(dtype, batch=batch, seed=seed)
         want = _decode_attention(q, layer, table, mask).float()
         got = kern.paged_decode_attention(q, layer, table, lens, q.shape[-1] ** -0.5).float()
         assert torch.allclose(got, want, atol=tol, rtol=tol), (got - want).abs().max()

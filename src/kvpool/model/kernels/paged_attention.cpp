@@ -40,25 +40,31 @@ struct Shape {
   float scale;
 };
 
-// Scores of one KV head's query group against every cached key of one sequence.
+// Scores of `heads` consecutive KV heads' query groups (rows ordered head, then group) against
+// every cached key of one sequence. With all heads in one task, each token's contiguous
+// [Hkv, D] key row is read once, front to back.
 template <typename T>
-void group_scores(const float* qf, const T* kv, const int64_t* blocks, int64_t len,
-                  int64_t group, int64_t h, const Shape& s, float* scores) {
+void task_scores(const float* qf, const T* kv, const int64_t* blocks, int64_t len, int64_t h0,
+                 int64_t heads, int64_t group, const Shape& s, float* scores) {
   const int64_t d = s.head_dim;
   for (int64_t t0 = 0, j = 0; t0 < len; t0 += s.block_size, ++j) {
-    const T* kb = kv + blocks[j] * s.s_block + h * s.s_head;
+    const T* kb = kv + blocks[j] * s.s_block + h0 * s.s_head;
     const int64_t n = std::min(s.block_size, len - t0);
-    for (int64_t t = 0; t < n; ++t) {
-      const T* k = kb + t * s.s_tok;
-      for (int64_t g = 0; g < group; ++g) scores[g * len + t0 + t] = dot(qf + g * d, k, d);
-    }
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        const T* k = kb + t * s.s_tok + hh * s.s_head;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t r = hh * group + g;
+          scores[r * len + t0 + t] = dot(qf + r * d, k, d);
+        }
+      }
   }
 }
 
-// Softmax of each group row in place; returns nothing, rows sum to 1.
-inline void softmax_rows(float* scores, int64_t group, int64_t len) {
-  for (int64_t g = 0; g < group; ++g) {
-    float* row = scores + g * len;
+// Softmax of each row in place.
+inline void softmax_rows(float* scores, int64_t rows, int64_t len) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = scores + r * len;
     const float m = *std::max_element(row, row + len);
     float sum = 0.f;
     // vectorized through glibc's libmvec (-ffast-math declares its SIMD expf)
@@ -73,29 +79,42 @@ inline void softmax_rows(float* scores, int64_t group, int64_t len) {
 }
 
 template <typename T>
+void task_values(const float* probs, const T* kv, const int64_t* blocks, int64_t len,
+                 int64_t h0, int64_t heads, int64_t group, const Shape& s, float* acc) {
+  const int64_t d = s.head_dim;
+  for (int64_t t0 = 0, j = 0; t0 < len; t0 += s.block_size, ++j) {
+    const T* vb = kv + blocks[j] * s.s_block + s.s_kv + h0 * s.s_head;
+    const int64_t n = std::min(s.block_size, len - t0);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t hh = 0; hh < heads; ++hh)
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t r = hh * group + g;
+          axpy(probs[r * len + t0 + t], vb + t * s.s_tok + hh * s.s_head, acc + r * d, d);
+        }
+  }
+}
+
+template <typename T>
 void decode(const T* q, const T* kv, const int64_t* table, const int64_t* lens, T* out,
             const Shape& s) {
   const int64_t group = s.q_heads / s.kv_heads, d = s.head_dim;
-  at::parallel_for(0, s.batch * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * d), acc(group * d), scores;
+  // A task is a whole sequence when there are enough of them to keep every thread busy
+  // (streams its KV rows), else one (sequence, KV head) pair.
+  const int64_t heads = s.batch >= 2 * at::get_num_threads() ? s.kv_heads : 1;
+  const int64_t per_seq = s.kv_heads / heads, rows = heads * group;
+  at::parallel_for(0, s.batch * per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(rows * d), acc(rows * d), scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / s.kv_heads, h = task % s.kv_heads, len = lens[b];
+      const int64_t b = task / per_seq, h0 = (task % per_seq) * heads, len = lens[b];
       const int64_t* blocks = table + b * s.max_blocks;
-      const T* q0 = q + (b * s.q_heads + h * group) * d;
-      for (int64_t i = 0; i < group * d; ++i) qf[i] = static_cast<float>(q0[i]) * s.scale;
-      scores.resize(group * len);
-      group_scores(qf.data(), kv, blocks, len, group, h, s, scores.data());
-      softmax_rows(scores.data(), group, len);
+      const int64_t first = (b * s.q_heads + h0 * group) * d;  // q/out rows are contiguous
+      for (int64_t i = 0; i < rows * d; ++i) qf[i] = static_cast<float>(q[first + i]) * s.scale;
+      scores.resize(rows * len);
+      task_scores(qf.data(), kv, blocks, len, h0, heads, group, s, scores.data());
+      softmax_rows(scores.data(), rows, len);
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = 0, j = 0; t0 < len; t0 += s.block_size, ++j) {
-        const T* vb = kv + blocks[j] * s.s_block + s.s_kv + h * s.s_head;
-        const int64_t n = std::min(s.block_size, len - t0);
-        for (int64_t t = 0; t < n; ++t)
-          for (int64_t g = 0; g < group; ++g)
-            axpy(scores[g * len + t0 + t], vb + t * s.s_tok, &acc[g * d], d);
-      }
-      T* o = out + (b * s.q_heads + h * group) * d;
-      for (int64_t i = 0; i < group * d; ++i) o[i] = static_cast<T>(acc[i]);
+      task_values(scores.data(), kv, blocks, len, h0, heads, group, s, acc.data());
+      for (int64_t i = 0; i < rows * d; ++i) out[first + i] = static_cast<T>(acc[i]);
     }
   });
 }
