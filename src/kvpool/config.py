@@ -76,3 +76,51 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+
+
+TRANSPORT_CHOICES = ("auto", "shm", "tcp")
+
+
+@dataclass(slots=True)
+class TransferConfig:
+    """The transfer engine: where it listens, how it finds segments, how it moves bytes."""
+
+    host: str = "127.0.0.1"  # where the TCP server binds
+    port: int = 0  # 0: any free port
+    advertise_host: str | None = None  # the address peers dial; default: host
+    directory: str = "memory"  # memory | http://HOST:PORT | etcd://HOST:PORT[,HOST:PORT]
+    transport: str = "auto"  # auto: shared memory for same-host peers, TCP otherwise
+    auth_token: str | None = None  # default: $KVPOOL_AUTH_TOKEN; required off loopback
+    num_streams: int = 2  # TCP connections per peer that large requests are striped over
+    slice_bytes: int | str = "4MiB"  # large requests move as frames of at most this size
+    max_inflight_bytes: int | str = "256MiB"  # per peer; submit waits (or raises) above it
+    request_timeout: float = 30.0  # seconds per request, from submit
+    connect_timeout: float = 5.0
+    segment_ttl: float = 10.0  # etcd lease of published descriptors (renewed while alive)
+
+    def __post_init__(self) -> None:
+        import os
+
+        from kvpool.common.net import is_loopback
+        from kvpool.transfer.protocol import MAX_FRAME_BYTES
+
+        if self.transport not in TRANSPORT_CHOICES:
+            raise ValueError(f"transport must be one of {TRANSPORT_CHOICES}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError("port must be in [0, 65535]")
+        self.slice_bytes = parse_size(self.slice_bytes)
+        self.max_inflight_bytes = parse_size(self.max_inflight_bytes)
+        if not 4096 <= self.slice_bytes <= MAX_FRAME_BYTES:
+            raise ValueError(f"slice_bytes must be in [4096, {MAX_FRAME_BYTES}]")
+        if self.max_inflight_bytes < 1:
+            raise ValueError("max_inflight_bytes must be >= 1")
+        if not 1 <= self.num_streams <= 64:
+            raise ValueError("num_streams must be in [1, 64]")
+        if self.request_timeout <= 0 or self.connect_timeout <= 0 or self.segment_ttl < 2:
+            raise ValueError("timeouts must be > 0 and segment_ttl >= 2 s")
+        if self.auth_token is None:
+            self.auth_token = os.environ.get("KVPOOL_AUTH_TOKEN") or None
+        if not is_loopback(self.host) and not self.auth_token:
+            raise ValueError(
+                f"binding {self.host} (not loopback) requires an auth token: set KVPOOL_AUTH_TOKEN"
+            )

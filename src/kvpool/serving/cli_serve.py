@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import os
 import signal
 import sys
 from pathlib import Path
 
 from kvpool.common.errors import KVPoolError
+from kvpool.common.net import is_loopback
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 AUTH_ENV = "KVPOOL_AUTH_TOKEN"
@@ -45,15 +45,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
     )
     p.set_defaults(func=run)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def served_name(args: argparse.Namespace) -> str:

@@ -1,0 +1,95 @@
+"""The transfer engine's TCP wire format (little-endian, fixed headers, validated bounds).
+
+Connection: the client sends ``HELLO`` (magic, version, token length, token); the server
+answers ``WELCOME`` (magic, status) and closes the connection unless the status is OK.
+
+Then the client sends request frames, a 32-byte header each, a WRITE's payload right after its
+header. Frames are sent in trains; the last frame of a train carries ``FLAG_END``, which tells
+the server to flush the responses it has gathered. Every request gets one 24-byte response
+header, in order; a successful READ's payload follows its response header.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from enum import IntEnum
+
+MAGIC = b"KVTE"
+VERSION = 1
+MAX_TOKEN_BYTES = 1024
+MAX_FRAME_BYTES = 64 << 20  # one frame never carries more; the client slices larger requests
+
+HELLO = struct.Struct("<4sHH")  # magic, version, token length (token bytes follow)
+WELCOME = struct.Struct("<4sB3x")  # magic, status
+REQUEST = struct.Struct("<BBHIQQQ")  # op, flags, reserved, segment id, request id, offset, length
+RESPONSE = struct.Struct("<BBHIQQ")  # status, op, reserved, detail, request id, length
+
+FLAG_END = 0x01
+
+
+class Op(IntEnum):
+    READ = 1  # remote -> local
+    WRITE = 2  # local -> remote
+
+
+class Status(IntEnum):
+    OK = 0
+    BAD_TOKEN = 1
+    BAD_VERSION = 2
+    UNKNOWN_SEGMENT = 3
+    OUT_OF_BOUNDS = 4
+
+
+STATUS_TEXT = {
+    Status.OK: "ok",
+    Status.BAD_TOKEN: "authentication failed (KVPOOL_AUTH_TOKEN mismatch)",
+    Status.BAD_VERSION: "protocol version mismatch",
+    Status.UNKNOWN_SEGMENT: "segment not registered at the peer",
+    Status.OUT_OF_BOUNDS: "offset + length outside the registered segment",
+}
+
+
+class FrameError(Exception):
+    """A malformed frame: the connection that sent it is closed."""
+
+
+def parse_request(header: bytes | bytearray | memoryview) -> tuple[int, int, int, int, int, int]:
+    """``(op, flags, segment_id, request_id, offset, length)``, validated for shape only."""
+    op, flags, reserved, seg_id, req_id, offset, length = REQUEST.unpack(header)
+    if op not in (Op.READ, Op.WRITE):
+        raise FrameError(f"unknown op {op}")
+    if flags & ~FLAG_END or reserved:
+        raise FrameError(f"bad flags/reserved field {flags:#x}/{reserved:#x}")
+    if length == 0 or length > MAX_FRAME_BYTES:
+        raise FrameError(f"frame length {length} not in [1, {MAX_FRAME_BYTES}]")
+    return op, flags, seg_id, req_id, offset, length
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from the socket, straight into its memory; EOF raises ``ConnectionError``."""
+    got = 0
+    n = len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("peer closed the connection")
+        got += k
+
+
+def sendmsg_all(sock: socket.socket, buffers: list) -> None:
+    """Send a list of buffers with scatter/gather I/O (no joining copy), handling short writes."""
+    bufs = [memoryview(b).cast("B") for b in buffers]
+    i = 0
+    while i < len(bufs):
+        sent = sock.sendmsg(bufs[i : i + 512])
+        while sent:
+            head = len(bufs[i])
+            if sent >= head:
+                sent -= head
+                i += 1
+            else:
+                bufs[i] = bufs[i][sent:]
+                sent = 0
+        while i < len(bufs) and len(bufs[i]) == 0:
+            i += 1

@@ -1,0 +1,225 @@
+"""Transfer requests, their per-request status, and the handle of a submitted batch."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+from kvpool.common.errors import KVPoolError, KVPoolTimeoutError, TransferError
+from kvpool.transfer.protocol import Op
+from kvpool.transfer.segment import SegmentDescriptor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class TransferRequest:
+    """Move ``length`` bytes between a local buffer and a remote segment.
+
+    READ copies remote -> local, WRITE local -> remote. ``local`` is any writable (for READ)
+    buffer: a numpy array, a CPU tensor, a memoryview, a bytearray or a ``Segment``'s view.
+    ``length`` defaults to the rest of the local buffer after ``local_offset``.
+    """
+
+    op: Op
+    local: object
+    remote: str
+    remote_offset: int = 0
+    length: int | None = None
+    local_offset: int = 0
+
+
+class State(Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(slots=True, frozen=True)
+class TransferStatus:
+    """The outcome of one request: DONE only when every byte has moved."""
+
+    state: State
+    bytes_moved: int
+    error: KVPoolError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.state is State.DONE
+
+    @property
+    def reason(self) -> str:
+        return "" if self.error is None else str(self.error)
+
+
+class PendingOp:
+    """One request inside the engine: split into frames, finished when all frames resolve."""
+
+    __slots__ = (
+        "_error",
+        "_frames_left",
+        "_handle",
+        "_lock",
+        "bytes_moved",
+        "conns",
+        "deadline",
+        "desc",
+        "length",
+        "local",
+        "on_finish",
+        "op",
+        "remote_offset",
+        "started",
+        "state",
+        "timed_out",
+        "transport",
+    )
+
+    def __init__(self, op: Op, local: memoryview, desc: SegmentDescriptor, remote_offset: int):
+        self.op = op
+        self.local = local
+        self.desc = desc
+        self.remote_offset = remote_offset
+        self.length = len(local)
+        self.bytes_moved = 0
+        self.state = State.PENDING
+        self.timed_out = False
+        self.transport = ""
+        self.conns: list = []
+        self.deadline = 0.0
+        self.started = time.monotonic()
+        self.on_finish: Callable[[PendingOp], None] | None = None
+        self._frames_left = 1
+        self._error: KVPoolError | None = None
+        self._lock = threading.Lock()
+        self._handle: BatchHandle | None = None
+
+    def set_frames(self, n: int) -> None:
+        self._frames_left = n
+
+    def frame_done(self, nbytes: int, error: KVPoolError | None = None) -> None:
+        """Resolve one frame (successfully when ``error`` is None)."""
+        with self._lock:
+            if self.state is not State.PENDING:
+                return
+            if error is None:
+                self.bytes_moved += nbytes
+            elif self._error is None:
+                self._error = error
+            self._frames_left -= 1
+            if self._frames_left > 0:
+                return
+            if self.timed_out and (self._error is not None or self.bytes_moved < self.length):
+                self._error = KVPoolTimeoutError(f"transfer timed out ({self._describe()})")
+            ok = self._error is None and self.bytes_moved == self.length
+            if not ok and self._error is None:
+                self._error = TransferError(f"partial transfer ({self._describe()})")
+            self.state = State.DONE if ok else State.FAILED
+        if self.on_finish is not None:
+            self.on_finish(self)
+        if self._handle is not None:
+            self._handle._op_finished()
+
+    def fail(self, error: KVPoolError) -> None:
+        """Resolve every remaining frame with ``error`` (no frame may still be running)."""
+        with self._lock:
+            left = self._frames_left
+        for _ in range(left):
+            self.frame_done(0, error)
+
+    @property
+    def error(self) -> KVPoolError | None:
+        return self._error
+
+    def status(self) -> TransferStatus:
+        return TransferStatus(self.state, self.bytes_moved, self._error)
+
+    def _describe(self) -> str:
+        return (
+            f"{self.op.name} {self.length} B at {self.desc.name}+{self.remote_offset} "
+            f"via {self.transport or '?'}, {self.bytes_moved} B moved"
+        )
+
+
+def _call_safely(fn: Callable[[BatchHandle], None], handle: BatchHandle) -> None:
+    try:
+        fn(handle)
+    except Exception:  # a caller's callback must not break the transport thread running it
+        logger.exception("transfer: a done-callback raised")
+
+
+class BatchHandle:
+    """A submitted batch: poll it, wait on it (threads or asyncio), read per-request status."""
+
+    def __init__(self, ops: list[PendingOp]) -> None:
+        self._ops = ops
+        self._cond = threading.Condition()
+        self._left = len(ops)
+        self._callbacks: list[Callable[[BatchHandle], None]] = []
+        for op in ops:
+            op._handle = self
+
+    def _op_finished(self) -> None:
+        with self._cond:
+            self._left -= 1
+            finished = self._left == 0
+            if finished:
+                self._cond.notify_all()
+                callbacks, self._callbacks = self._callbacks, []
+        if finished:
+            for cb in callbacks:
+                _call_safely(cb, self)
+
+    def done(self) -> bool:
+        with self._cond:
+            return self._left == 0
+
+    def wait(self, timeout: float | None = None) -> list[TransferStatus]:
+        """Block until every request has finished; raise ``KVPoolTimeoutError`` if it takes longer
+        than ``timeout`` (the transfers themselves go on until their own deadline)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._left == 0, timeout):
+                raise KVPoolTimeoutError(f"batch not finished after {timeout} s")
+        return self.statuses()
+
+    def statuses(self) -> list[TransferStatus]:
+        return [op.status() for op in self._ops]
+
+    def add_done_callback(self, fn: Callable[[BatchHandle], None]) -> None:
+        """Call ``fn(handle)`` once every request has finished (now, if they already have)."""
+        with self._cond:
+            if self._left:
+                self._callbacks.append(fn)
+                return
+        _call_safely(fn, self)
+
+    async def wait_async(self, timeout: float | None = None) -> list[TransferStatus]:
+        """``wait`` for asyncio: never blocks the event loop."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def wake(_: BatchHandle) -> None:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+
+        self.add_done_callback(wake)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except TimeoutError as exc:
+            raise KVPoolTimeoutError(f"batch not finished after {timeout} s") from exc
+        return self.statuses()
+
+    def raise_for_status(self) -> None:
+        """Raise the first failed request's error (a ``KVPoolError``)."""
+        for op in self._ops:
+            if op.state is State.FAILED and op.error is not None:
+                raise op.error
+        if not self.done():
+            raise TransferError("batch still in flight")
+
+    def __len__(self) -> int:
+        return len(self._ops)

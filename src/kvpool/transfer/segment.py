@@ -1,0 +1,190 @@
+"""Registered memory segments and their descriptors.
+
+A segment is a named, contiguous byte range a process owns and lets peers read and write. It
+is backed either by a shared-memory file (``/dev/shm``, so a same-host peer can map it and copy
+without any socket) or by memory the caller already has (a numpy array or CPU tensor; reachable
+over TCP only). The descriptor is what the segment directory publishes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import socket
+import uuid
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from kvpool.common.errors import BadRequestError
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "kvpool-"
+
+
+def boot_id() -> str:
+    """Identifies this host's running kernel: equal boot ids share ``/dev/shm``."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+@dataclass(slots=True, frozen=True)
+class SegmentDescriptor:
+    """Everything a peer needs to reach a segment (published in the directory)."""
+
+    name: str
+    size: int
+    host: str
+    port: int
+    segment_id: int
+    owner_id: str
+    pid: int
+    boot_id: str
+    shm_name: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SegmentDescriptor:
+        try:
+            return cls(**{f: data[f] for f in cls.__dataclass_fields__ if f in data})
+        except TypeError as exc:
+            raise BadRequestError(f"malformed segment descriptor: {exc}") from exc
+
+
+class SharedRegion:
+    """A ``/dev/shm`` file mapped into this process (created by its owner, opened by peers)."""
+
+    def __init__(self, shm_name: str, size: int, *, create: bool) -> None:
+        if size <= 0:
+            raise BadRequestError("a shared segment needs a size > 0")
+        self.shm_name = shm_name
+        self.size = size
+        self.owner = create
+        path = os.path.join(SHM_DIR, shm_name)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            elif os.fstat(fd).st_size < size:
+                raise BadRequestError(f"shared segment {shm_name} is smaller than {size} bytes")
+            self.mmap = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.array = np.frombuffer(self.mmap, dtype=np.uint8)
+
+    def close(self) -> None:
+        """Unmap (when no view is alive) and, for the owner, remove the file."""
+        self.array = None  # type: ignore[assignment]
+        try:
+            self.mmap.close()
+        except BufferError:
+            pass  # views still exported: the mapping goes away with the last one
+        if self.owner:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, self.shm_name))
+
+
+def new_shm_name(segment_name: str) -> str:
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in segment_name)[:40]
+    return f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}-{safe}"
+
+
+def reap_stale_shm() -> int:
+    """Remove ``/dev/shm/kvpool-<pid>-*`` files whose owner process no longer exists."""
+    removed = 0
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith(SHM_PREFIX):
+            continue
+        pid_text = name[len(SHM_PREFIX) :].split("-", 1)[0]
+        if pid_text.isdigit() and not pid_alive(int(pid_text)):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed += 1
+            except OSError:
+                pass
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def byte_view(buf: object, *, writable: bool) -> memoryview:
+    """A flat, C-contiguous ``uint8`` memoryview of a buffer, numpy array or CPU tensor."""
+    if hasattr(buf, "untyped_storage") and hasattr(buf, "is_contiguous"):  # torch.Tensor
+        if buf.device.type != "cpu" or not buf.is_contiguous():  # type: ignore[attr-defined]
+            raise BadRequestError("a tensor buffer must be a contiguous CPU tensor")
+        buf = buf.reshape(-1).view(dtype=_torch_uint8()).numpy()  # type: ignore[attr-defined]
+    try:
+        mv = memoryview(buf)  # type: ignore[arg-type]
+    except TypeError as exc:
+        raise BadRequestError(f"not a buffer: {type(buf).__name__}") from exc
+    if not mv.c_contiguous:
+        raise BadRequestError("buffer must be C-contiguous")
+    if writable and mv.readonly:
+        raise BadRequestError("buffer is read-only but the transfer writes into it")
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+def _torch_uint8():
+    import torch
+
+    return torch.uint8
+
+
+class Segment:
+    """A segment this process owns: its bytes as a memoryview and a ``uint8`` numpy array."""
+
+    def __init__(
+        self, name: str, segment_id: int, view: memoryview, region: SharedRegion | None, keep=None
+    ) -> None:
+        self.name = name
+        self.segment_id = segment_id
+        self.view = view
+        self.size = len(view)
+        self.region = region
+        self._keep = keep  # the caller's object, kept alive as long as the segment
+
+    @property
+    def array(self) -> np.ndarray:
+        return np.frombuffer(self.view, dtype=np.uint8)
+
+    @property
+    def shm_name(self) -> str | None:
+        return self.region.shm_name if self.region else None
+
+    def tensor(self, dtype, shape: tuple[int, ...]):
+        """A torch tensor viewing (not copying) the segment's first bytes."""
+        import torch
+
+        t = torch.frombuffer(self.view, dtype=torch.uint8)
+        n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        if n > self.size:
+            raise BadRequestError(f"shape {shape} needs {n} bytes, segment has {self.size}")
+        return t[:n].view(dtype).view(shape)
+
+    def close(self) -> None:
+        try:
+            self.view.release()
+        except BufferError:
+            pass  # the caller still holds views of it
+        if self.region is not None:
+            self.region.close()
+        self._keep = None

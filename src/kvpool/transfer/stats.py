@@ -1,0 +1,77 @@
+"""Plain counters the transfer engine fills; the Prometheus exporter reads them at scrape time."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+LATENCY_BUCKETS = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+
+
+@dataclass
+class TransferStats:
+    """Cumulative counts of one engine (initiator side and served side)."""
+
+    bytes: Counter = field(default_factory=Counter)  # (transport, direction) -> bytes
+    requests: Counter = field(default_factory=Counter)  # (transport, direction) -> requests
+    errors: Counter = field(default_factory=Counter)  # kind -> count
+    served_bytes: Counter = field(default_factory=Counter)  # direction -> bytes (TCP server)
+    served_requests: Counter = field(default_factory=Counter)
+    latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    latency_sum: float = 0.0
+    inflight_bytes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def finished(self, transport: str, direction: str, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self.bytes[(transport, direction)] += nbytes
+            self.requests[(transport, direction)] += 1
+            self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+            self.latency_sum += seconds
+
+    def error(self, kind: str) -> None:
+        with self._lock:
+            self.errors[kind] += 1
+
+    def served(self, direction: str, nbytes: int) -> None:
+        with self._lock:
+            self.served_bytes[direction] += nbytes
+            self.served_requests[direction] += 1
+
+    def add_inflight(self, nbytes: int) -> None:
+        with self._lock:
+            self.inflight_bytes += nbytes
+
+    def snapshot(self) -> TransferStats:
+        with self._lock:
+            return TransferStats(
+                Counter(self.bytes),
+                Counter(self.requests),
+                Counter(self.errors),
+                Counter(self.served_bytes),
+                Counter(self.served_requests),
+                list(self.latency_counts),
+                self.latency_sum,
+                self.inflight_bytes,
+            )

@@ -1,0 +1,268 @@
+"""TCP transport (client side): striped, pipelined, coalesced frames to a peer's server.
+
+Per peer a small pool of connections, opened on demand and reused. A request larger than
+``slice_bytes`` becomes several frames spread round-robin over the pool; each connection's
+sender thread takes everything queued and sends it as one frame train with one scatter/gather
+``sendmsg`` (many small requests: one syscall), and its receiver thread reads the responses
+in order, READ payloads straight into the destination buffer. A broken connection resolves
+every frame it carried as failed (only after its receiver has stopped writing into buffers),
+and the next submit dials again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import socket
+import threading
+from collections import deque
+
+from kvpool.common.errors import BadRequestError, NotFoundError, TransferError
+from kvpool.transfer import protocol as P
+from kvpool.transfer.request import PendingOp
+from kvpool.transfer.segment import SegmentDescriptor
+from kvpool.transfer.transports.base import Transport, TransportContext, register_transport
+
+logger = logging.getLogger(__name__)
+
+TRAIN_FRAMES = 512
+TRAIN_BYTES = 32 << 20
+
+
+class _Frame:
+    __slots__ = ("length", "local", "offset", "op", "req_id", "seg_id")
+
+    def __init__(self, op: PendingOp, local: memoryview, offset: int) -> None:
+        self.op = op
+        self.local = local
+        self.offset = offset
+        self.length = len(local)
+        self.seg_id = op.desc.segment_id
+        self.req_id = 0
+
+
+class _Connection:
+    """One socket with a sender and a receiver thread; frames are answered in order."""
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self._cond = threading.Condition()
+        self._queue: deque[_Frame] = deque()
+        self._pending: deque[_Frame] = deque()
+        self._ids = itertools.count(1)
+        self.dead = False
+        self.reason = ""
+        self._sender = threading.Thread(target=self._send_loop, name="kvpool-tcp-send", daemon=True)
+        self._receiver = threading.Thread(
+            target=self._recv_loop, name="kvpool-tcp-recv", daemon=True
+        )
+        self._sender.start()
+        self._receiver.start()
+
+    def enqueue(self, frames: list[_Frame]) -> bool:
+        """Queue frames; False if the connection is already dead (the caller redials)."""
+        with self._cond:
+            if self.dead:
+                return False
+            self._queue.extend(frames)
+            self._cond.notify()
+        return True
+
+    def abort(self, reason: str) -> None:
+        """Break the connection; the receiver then fails everything it carried."""
+        with self._cond:
+            if not self.reason:
+                self.reason = reason
+            self.dead = True
+            self._cond.notify_all()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def _send_loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._queue and not self.dead:
+                        self._cond.wait()
+                    if self.dead:
+                        return
+                    train = self._take_train()
+                self._send(train)
+        except OSError as exc:
+            self.abort(f"send failed: {exc}")
+
+    def _take_train(self) -> list[_Frame]:
+        train: list[_Frame] = []
+        nbytes = 0
+        while self._queue and len(train) < TRAIN_FRAMES and nbytes < TRAIN_BYTES:
+            frame = self._queue.popleft()
+            frame.req_id = next(self._ids)
+            train.append(frame)
+            nbytes += frame.length
+        self._pending.extend(train)
+        return train
+
+    def _send(self, train: list[_Frame]) -> None:
+        bufs: list = []
+        last = len(train) - 1
+        for i, f in enumerate(train):
+            flags = P.FLAG_END if i == last else 0
+            bufs.append(P.REQUEST.pack(f.op.op, flags, 0, f.seg_id, f.req_id, f.offset, f.length))
+            if f.op.op is P.Op.WRITE:
+                bufs.append(f.local)
+        P.sendmsg_all(self.sock, bufs)
+
+    def _recv_loop(self) -> None:
+        head = bytearray(P.RESPONSE.size)
+        hview = memoryview(head)
+        try:
+            while True:
+                P.recv_exact(self.sock, hview)
+                status, op, _, _, req_id, length = P.RESPONSE.unpack(head)
+                with self._cond:
+                    frame = self._pending.popleft() if self._pending else None
+                if frame is None or frame.req_id != req_id or op != frame.op.op:
+                    raise P.FrameError(f"unexpected response for request {req_id}")
+                if status == P.Status.OK:
+                    want = frame.length if op == P.Op.READ else 0
+                    if length != want:
+                        raise P.FrameError(f"response length {length}, expected {want}")
+                    if want:
+                        P.recv_exact(self.sock, frame.local)
+                    frame.op.frame_done(frame.length)
+                else:
+                    frame.op.frame_done(0, _status_error(status, frame))
+        except (OSError, ConnectionError) as exc:
+            self.abort(str(exc) or type(exc).__name__)
+        except Exception as exc:  # a malformed response (or a bug): drop this connection
+            logger.warning("transfer: bad response from %s: %r", self.peer, exc)
+            self.abort(f"bad response: {exc}")
+        finally:
+            self._fail_all()
+            self.sock.close()
+
+    def _fail_all(self) -> None:
+        with self._cond:
+            self.dead = True
+            frames = list(self._pending) + list(self._queue)
+            self._pending.clear()
+            self._queue.clear()
+        self._sender.join(timeout=10)  # the sender must stop reading WRITE buffers first
+        err = TransferError(f"connection to {self.peer} lost: {self.reason}")
+        for frame in frames:
+            frame.op.frame_done(0, err)
+
+
+def _status_error(status: int, frame: _Frame) -> Exception:
+    text = P.STATUS_TEXT.get(status, f"status {status}")  # type: ignore[call-overload]
+    msg = f"peer refused {frame.op.op.name} of {frame.op.desc.name}: {text}"
+    if status == P.Status.OUT_OF_BOUNDS:
+        return BadRequestError(msg)
+    if status == P.Status.UNKNOWN_SEGMENT:
+        return NotFoundError(msg)
+    return TransferError(msg)
+
+
+@register_transport("tcp")
+class TcpTransport(Transport):
+    def __init__(self, ctx: TransportContext) -> None:
+        super().__init__(ctx)
+        self._pools: dict[tuple[str, int], list[_Connection]] = {}
+        self._lock = threading.Lock()
+        self._rr = itertools.count()
+
+    def can_reach(self, desc: SegmentDescriptor) -> bool:
+        return desc.port > 0
+
+    def submit(self, ops: list[PendingOp]) -> None:
+        frames = self._slice(ops)
+        peer = (ops[0].desc.host, ops[0].desc.port)
+        try:
+            conns = self._connections(peer, sum(op.length for op in ops))
+        except (OSError, TransferError) as exc:
+            self.ctx.stats.error("connect")
+            err = TransferError(f"cannot reach transfer peer {peer[0]}:{peer[1]}: {exc}")
+            for op in ops:
+                op.fail(err)
+            return
+        buckets: dict[int, list[_Frame]] = {}
+        start = next(self._rr)
+        for i, frame in enumerate(frames):
+            buckets.setdefault((start + i) % len(conns), []).append(frame)
+        for idx, group in buckets.items():
+            conn = conns[idx]
+            for op in {id(f.op): f.op for f in group}.values():
+                op.conns.append(conn)
+            if not conn.enqueue(group):
+                err = TransferError(f"connection to {conn.peer} lost: {conn.reason}")
+                for frame in group:
+                    frame.op.frame_done(0, err)
+
+    def cancel(self, op: PendingOp) -> None:
+        op.timed_out = True
+        for conn in list(op.conns):
+            conn.abort("a request on this connection timed out")
+
+    def forget(self, desc: SegmentDescriptor) -> None:
+        with self._lock:
+            conns = self._pools.pop((desc.host, desc.port), [])
+        for conn in conns:
+            conn.abort("peer forgotten")
+
+    def close(self) -> None:
+        with self._lock:
+            pools, self._pools = list(self._pools.values()), {}
+        for conns in pools:
+            for conn in conns:
+                conn.abort("transfer engine closed")
+
+    def _slice(self, ops: list[PendingOp]) -> list[_Frame]:
+        step = int(self.ctx.config.slice_bytes)
+        frames: list[_Frame] = []
+        for op in ops:
+            op.transport = self.name
+            n = max(1, -(-op.length // step))
+            op.set_frames(n)
+            for k in range(n):
+                a = k * step
+                frames.append(_Frame(op, op.local[a : a + step], op.remote_offset + a))
+        return frames
+
+    def _connections(self, peer: tuple[str, int], nbytes: int) -> list[_Connection]:
+        """Live connections to ``peer``: as many as the batch can use, up to ``num_streams``."""
+        want = min(self.ctx.config.num_streams, max(1, -(-nbytes // self.ctx.config.slice_bytes)))
+        with self._lock:
+            conns = [c for c in self._pools.get(peer, []) if not c.dead]
+            self._pools[peer] = conns
+            missing = want - len(conns)
+        fresh = [self._dial(peer) for _ in range(max(0, missing))]
+        with self._lock:
+            conns = self._pools.setdefault(peer, [])
+            conns.extend(fresh)
+            live = [c for c in conns if not c.dead]
+        if not live:
+            raise TransferError("no live connection")
+        return live[: max(want, 1)]
+
+    def _dial(self, peer: tuple[str, int]) -> _Connection:
+        cfg = self.ctx.config
+        sock = socket.create_connection(peer, timeout=cfg.connect_timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            token = (cfg.auth_token or "").encode()
+            sock.sendall(P.HELLO.pack(P.MAGIC, P.VERSION, len(token)) + token)
+            reply = bytearray(P.WELCOME.size)
+            P.recv_exact(sock, memoryview(reply))
+            magic, status = P.WELCOME.unpack(reply)
+            if magic != P.MAGIC:
+                raise TransferError(f"{peer[0]}:{peer[1]} is not a kvpool transfer server")
+            if status != P.Status.OK:
+                text = P.STATUS_TEXT.get(status, str(status))  # type: ignore[call-overload]
+                raise TransferError(f"{peer[0]}:{peer[1]} refused the handshake: {text}")
+            sock.settimeout(None)
+        except BaseException:
+            sock.close()
+            raise
+        return _Connection(sock, f"{peer[0]}:{peer[1]}")

@@ -1,0 +1,170 @@
+"""The TCP side every transfer engine runs: serves READ/WRITE frames against its segments.
+
+One thread per connection, blocking sockets (the GIL is released in every syscall). WRITE
+payloads are received straight into the segment (``recv_into`` a memoryview of it); READ
+payloads are sent straight from it (``sendmsg`` of memoryview slices): no intermediate copies.
+Every frame is bounds-checked against the registered segment; an out-of-bounds or unknown
+segment request gets an error response, a malformed frame closes that connection only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import socket
+import threading
+from collections.abc import Callable
+
+from kvpool.transfer import protocol as P
+from kvpool.transfer.segment import Segment
+from kvpool.transfer.stats import TransferStats
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT = 5.0
+FLUSH_FRAMES = 256
+FLUSH_BYTES = 8 << 20
+DRAIN_CHUNK = 1 << 20
+
+
+class TransferServer:
+    """Accepts peers on ``host:port`` and serves frames for ``lookup(segment_id)``."""
+
+    def __init__(
+        self,
+        lookup: Callable[[int], Segment | None],
+        host: str,
+        port: int,
+        token: str | None,
+        stats: TransferStats,
+    ) -> None:
+        self._lookup = lookup
+        self._token = (token or "").encode()
+        self._stats = stats
+        self._sock = socket.create_server((host, port), backlog=128)
+        self.host = host
+        self.port = self._sock.getsockname()[1]
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._accept_loop, name=f"kvpool-transfer-server-{self.port}", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            _shutdown(conn)
+        self._thread.join(timeout=5)
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, addr = self._sock.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(
+                target=self._serve, args=(conn, addr), name="kvpool-transfer-conn", daemon=True
+            ).start()
+
+    def _serve(self, conn: socket.socket, addr) -> None:
+        try:
+            if self._handshake(conn, addr):
+                self._frames(conn)
+        except P.FrameError as exc:
+            self._stats.error("protocol")
+            logger.warning("transfer server: malformed frame from %s: %s; closing", addr, exc)
+        except (ConnectionError, TimeoutError, OSError) as exc:
+            if not self._closed:
+                logger.debug("transfer server: connection from %s ended: %s", addr, exc)
+        except Exception:  # a bug must not take the server down: log it, drop this peer
+            self._stats.error("server")
+            logger.exception("transfer server: unexpected error serving %s", addr)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            _shutdown(conn)
+            conn.close()
+
+    def _handshake(self, conn: socket.socket, addr) -> bool:
+        conn.settimeout(HANDSHAKE_TIMEOUT)
+        head = bytearray(P.HELLO.size)
+        P.recv_exact(conn, memoryview(head))
+        magic, version, token_len = P.HELLO.unpack(head)
+        if magic != P.MAGIC or token_len > P.MAX_TOKEN_BYTES:
+            raise P.FrameError(f"bad hello (magic {bytes(magic)!r}, token length {token_len})")
+        token = bytearray(token_len)
+        if token_len:
+            P.recv_exact(conn, memoryview(token))
+        status = P.Status.OK
+        if version != P.VERSION:
+            status = P.Status.BAD_VERSION
+        elif self._token and not hmac.compare_digest(bytes(token), self._token):
+            status = P.Status.BAD_TOKEN
+        conn.sendall(P.WELCOME.pack(P.MAGIC, status))
+        if status != P.Status.OK:
+            self._stats.error("auth" if status == P.Status.BAD_TOKEN else "protocol")
+            logger.warning("transfer server: refused %s: %s", addr, P.STATUS_TEXT[status])
+            return False
+        conn.settimeout(None)
+        return True
+
+    def _frames(self, conn: socket.socket) -> None:
+        header = bytearray(P.REQUEST.size)
+        hview = memoryview(header)
+        out: list = []
+        out_bytes = 0
+        while True:
+            P.recv_exact(conn, hview)
+            op, flags, seg_id, req_id, offset, length = P.parse_request(header)
+            seg = self._lookup(seg_id)
+            status = P.Status.OK
+            if seg is None:
+                status = P.Status.UNKNOWN_SEGMENT
+            elif offset + length > seg.size:
+                status = P.Status.OUT_OF_BOUNDS
+            if status != P.Status.OK:
+                self._stats.error("bounds" if seg is not None else "unknown_segment")
+            if op == P.Op.WRITE:
+                if status == P.Status.OK:
+                    P.recv_exact(conn, seg.view[offset : offset + length])
+                    self._stats.served("write", length)
+                else:
+                    _drain(conn, length)
+                out.append(P.RESPONSE.pack(status, op, 0, 0, req_id, 0))
+            elif status == P.Status.OK:
+                out.append(P.RESPONSE.pack(status, op, 0, 0, req_id, length))
+                out.append(seg.view[offset : offset + length])
+                out_bytes += length
+                self._stats.served("read", length)
+            else:
+                out.append(P.RESPONSE.pack(status, op, 0, 0, req_id, 0))
+            if flags & P.FLAG_END or len(out) >= FLUSH_FRAMES or out_bytes >= FLUSH_BYTES:
+                P.sendmsg_all(conn, out)
+                out.clear()
+                out_bytes = 0
+
+
+def _drain(conn: socket.socket, length: int) -> None:
+    """Consume a rejected WRITE's payload so the stream stays in sync."""
+    scratch = memoryview(bytearray(min(length, DRAIN_CHUNK)))
+    left = length
+    while left:
+        n = min(left, len(scratch))
+        P.recv_exact(conn, scratch[:n])
+        left -= n
+
+
+def _shutdown(conn: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_RDWR)
