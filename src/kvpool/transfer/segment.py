@@ -82,10 +82,9 @@ class SharedRegion:
     def close(self) -> None:
         """Unmap (when no view is alive) and, for the owner, remove the file."""
         self.array = None  # type: ignore[assignment]
-        try:
+        # with views still exported the mapping goes away with the last one
+        with contextlib.suppress(BufferError):
             self.mmap.close()
-        except BufferError:
-            pass  # views still exported: the mapping goes away with the last one
         if self.owner:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(SHM_DIR, self.shm_name))
@@ -181,10 +180,8 @@ class Segment:
         return t[:n].view(dtype).view(shape)
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(BufferError):  # the caller may still hold views of it
             self.view.release()
-        except BufferError:
-            pass  # the caller still holds views of it
         if self.region is not None:
             self.region.close()
         self._keep = None

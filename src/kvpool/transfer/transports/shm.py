@@ -98,9 +98,9 @@ class ShmTransport(Transport):
         """Report copied ops done, unless their segment's owner died meanwhile."""
         dead: set[int] = set()
         for op in copied:
-            if op.desc.owner_id != self.ctx.owner_id and op.desc.pid not in dead:
-                if not pid_alive(op.desc.pid):
-                    dead.add(op.desc.pid)
+            remote = op.desc.owner_id != self.ctx.owner_id
+            if remote and op.desc.pid not in dead and not pid_alive(op.desc.pid):
+                dead.add(op.desc.pid)
             if op.desc.pid in dead:
                 self.forget(op.desc)
                 op.fail(TransferError(f"owner of segment {op.desc.name} died during the copy"))
