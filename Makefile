@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.kvpool-installed
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast lint format bench clean
+.PHONY: install system-deps serve test test-fast lint format bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,14 +19,23 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# Services the tests start themselves (etcd for the directory and master election), from Debian.
+system-deps:
+	@command -v etcd >/dev/null 2>&1 || { \
+	  echo "installing etcd-server with apt-get"; \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  $$SUDO apt-get install -y -q etcd-server || \
+	  { $$SUDO apt-get update -q && $$SUDO apt-get install -y -q etcd-server; }; }
+
 serve: install  ## the main job: the OpenAI-compatible server with the default model on 127.0.0.1:8000
 	$(BIN)/kvpool serve $(ARGS)
 
-test: install  ## lint, then every test (slow end-to-end ones included)
+test: install system-deps  ## lint, then every test (slow end-to-end ones included)
 	$(BIN)/ruff check .
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-fast: install
+test-fast: install system-deps
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: install

@@ -100,3 +100,13 @@ def tiny_engine_factory(tiny_model):
     yield make
     for e in engines:
         e.close()
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory):
+    """A real etcd server for the whole session (``.endpoint`` is ``127.0.0.1:PORT``)."""
+    from services import EtcdProcess
+
+    server = EtcdProcess(tmp_path_factory.mktemp("etcd"))
+    yield server
+    server.stop()

@@ -7,6 +7,7 @@ import sys
 
 from kvpool import __version__
 from kvpool.serving import cli_serve
+from kvpool.transfer import cli as transfer_cli
 
 
 def _export_hf(args: argparse.Namespace) -> int:
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     cli_serve.add_parser(subparsers)
     _add_export_hf(subparsers)
+    transfer_cli.add_parser(subparsers)
     return parser
 
 

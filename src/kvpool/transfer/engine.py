@@ -25,6 +25,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from kvpool.common.errors import (
+    AlreadyExistsError,
     BackpressureError,
     BadRequestError,
     KVPoolTimeoutError,
@@ -43,6 +44,7 @@ from kvpool.transfer.segment import (
     boot_id,
     byte_view,
     new_shm_name,
+    pid_alive,
     reap_stale_shm,
 )
 from kvpool.transfer.stats import TransferStats
@@ -183,11 +185,24 @@ class TransferEngine:
             self._by_id[seg.segment_id] = seg
             self._by_name[name] = seg
         try:
-            self.directory.publish(self._descriptor(seg))
+            self._publish(self._descriptor(seg))
         except BaseException:
             self._drop(seg)
             raise
         return seg
+
+    def _publish(self, desc: SegmentDescriptor) -> None:
+        """Publish; take the name over if its previous owner is dead (a restarted worker)."""
+        try:
+            self.directory.publish(desc)
+            return
+        except AlreadyExistsError:
+            old = self.directory.lookup(desc.name)
+            if old is None or not owner_is_dead(old):
+                raise
+        logger.info("segment %s: previous owner %s is gone, taking over", desc.name, old.owner_id)
+        self.directory.evict(old)
+        self.directory.publish(desc)
 
     def unregister(self, name: str) -> None:
         with self._lock:
@@ -385,6 +400,20 @@ class TransferEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def owner_is_dead(desc: SegmentDescriptor, timeout: float = 1.0) -> bool:
+    """Whether the process that published ``desc`` is gone (same host: its pid; otherwise its
+    transfer server refuses connections)."""
+    if desc.boot_id == boot_id():
+        return not pid_alive(desc.pid)
+    try:
+        socket.create_connection((desc.host, desc.port), timeout=timeout).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False  # unreachable is not dead: a network problem must not steal names
+    return False
 
 
 _ERROR_KINDS = {"BadRequestError": "bounds", "NotFoundError": "not_found"}

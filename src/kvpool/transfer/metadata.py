@@ -54,6 +54,10 @@ class SegmentDirectory(ABC):
         if desc is not None:
             self._delete(desc)
 
+    def evict(self, desc: SegmentDescriptor) -> None:
+        """Remove another owner's entry (only if ``desc``'s owner still holds the name)."""
+        self._delete(desc)
+
     @abstractmethod
     def lookup(self, name: str) -> SegmentDescriptor | None: ...
 

@@ -121,19 +121,22 @@ class _Connection:
             while True:
                 P.recv_exact(self.sock, hview)
                 status, op, _, _, req_id, length = P.RESPONSE.unpack(head)
-                with self._cond:
-                    frame = self._pending.popleft() if self._pending else None
+                with self._cond:  # stays pending until fully received (or failed with it)
+                    frame = self._pending[0] if self._pending else None
                 if frame is None or frame.req_id != req_id or op != frame.op.op:
                     raise P.FrameError(f"unexpected response for request {req_id}")
+                error = None
                 if status == P.Status.OK:
                     want = frame.length if op == P.Op.READ else 0
                     if length != want:
                         raise P.FrameError(f"response length {length}, expected {want}")
                     if want:
                         P.recv_exact(self.sock, frame.local)
-                    frame.op.frame_done(frame.length)
                 else:
-                    frame.op.frame_done(0, _status_error(status, frame))
+                    error = _status_error(status, frame)
+                with self._cond:
+                    self._pending.popleft()
+                frame.op.frame_done(0 if error else frame.length, error)
         except (OSError, ConnectionError) as exc:
             self.abort(str(exc) or type(exc).__name__)
         except Exception as exc:  # a malformed response (or a bug): drop this connection

@@ -1,0 +1,107 @@
+"""Wire helpers and segment plumbing."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kvpool.common.errors import BadRequestError
+from kvpool.transfer import protocol as P
+from kvpool.transfer.segment import (
+    SHM_DIR,
+    SegmentDescriptor,
+    SharedRegion,
+    byte_view,
+    new_shm_name,
+    reap_stale_shm,
+)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ((3, 0, 0, 1, 1, 0, 1), "unknown op"),
+        ((1, 2, 0, 1, 1, 0, 1), "flags"),
+        ((1, 0, 1, 1, 1, 0, 1), "reserved"),
+        ((1, 0, 0, 1, 1, 0, 0), "length 0"),
+        ((2, 0, 0, 1, 1, 0, P.MAX_FRAME_BYTES + 1), "not in"),
+    ],
+)
+def test_parse_request_rejects_malformed_headers(fields, message):
+    with pytest.raises(P.FrameError, match=message):
+        P.parse_request(P.REQUEST.pack(*fields))
+
+
+def test_parse_request_accepts_a_valid_header():
+    head = P.REQUEST.pack(P.Op.WRITE, P.FLAG_END, 0, 7, 42, 100, 5)
+    assert P.parse_request(head) == (P.Op.WRITE, P.FLAG_END, 7, 42, 100, 5)
+    assert P.REQUEST.size == 32 and P.RESPONSE.size == 24
+
+
+def test_sendmsg_all_and_recv_exact_with_short_writes():
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    parts = [os.urandom(n) for n in (1, 100_000, 0, 7, 3_000_000)]
+    total = sum(map(len, parts))
+    out = bytearray(total)
+    reader = threading.Thread(target=P.recv_exact, args=(b, memoryview(out)))
+    reader.start()
+    P.sendmsg_all(a, parts + [b"x"] * 2000)  # > 512 buffers: several sendmsg calls
+    reader.join(30)
+    assert bytes(out) == b"".join(parts)
+    rest = bytearray(2000)
+    P.recv_exact(b, memoryview(rest))
+    assert rest == b"x" * 2000
+    a.close()
+    with pytest.raises(ConnectionError):
+        P.recv_exact(b, memoryview(bytearray(1)))
+    b.close()
+
+
+def test_shared_region_is_visible_to_a_second_mapping():
+    name = new_shm_name("t/x y")
+    assert "/" not in name and " " not in name
+    owner = SharedRegion(name, 10_000, create=True)
+    peer = SharedRegion(name, 10_000, create=False)
+    owner.array[5:9] = [1, 2, 3, 4]
+    assert peer.array[5:9].tolist() == [1, 2, 3, 4]
+    with pytest.raises(BadRequestError):
+        SharedRegion(name, 20_000, create=False)  # larger than the file
+    peer.close()
+    owner.close()
+    assert not os.path.exists(os.path.join(SHM_DIR, name))
+
+
+def test_reap_stale_shm_removes_files_of_dead_owners():
+    dead = "kvpool-999999999-deadbeef-x"
+    alive = new_shm_name("alive")
+    for n in (dead, alive):
+        open(os.path.join(SHM_DIR, n), "wb").close()
+    assert reap_stale_shm() >= 1
+    assert not os.path.exists(os.path.join(SHM_DIR, dead))
+    assert os.path.exists(os.path.join(SHM_DIR, alive))
+    os.unlink(os.path.join(SHM_DIR, alive))
+
+
+def test_byte_view_accepts_buffers_and_tensors():
+    assert len(byte_view(np.zeros(3, np.float64), writable=True)) == 24
+    assert len(byte_view(torch.zeros(2, 3, dtype=torch.bfloat16), writable=True)) == 12
+    assert len(byte_view(bytearray(5), writable=True)) == 5
+    assert len(byte_view(b"abc", writable=False)) == 3
+    with pytest.raises(BadRequestError):
+        byte_view(torch.zeros(4, 4).t(), writable=False)
+    with pytest.raises(BadRequestError):
+        byte_view(42, writable=False)
+
+
+def test_descriptor_round_trip_and_validation():
+    d = SegmentDescriptor("n", 1, "h", 2, 3, "o", 4, "b", "shm")
+    assert SegmentDescriptor.from_dict(d.to_dict()) == d
+    assert SegmentDescriptor.from_dict({**d.to_dict(), "extra": 1}) == d
+    with pytest.raises(BadRequestError):
+        SegmentDescriptor.from_dict({"name": "n"})
