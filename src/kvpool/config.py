@@ -94,6 +94,8 @@ class TransferConfig:
     num_streams: int = 2  # TCP connections per peer that large requests are striped over
     slice_bytes: int | str = "4MiB"  # large requests move as frames of at most this size
     max_inflight_bytes: int | str = "256MiB"  # per peer; submit waits (or raises) above it
+    shm_inline_bytes: int | str = "64MiB"  # smaller shm batches are copied inside submit()
+    tcp_inline_bytes: int | str = "1MiB"  # smaller TCP trains are sent by the submitting thread
     request_timeout: float = 30.0  # seconds per request, from submit
     connect_timeout: float = 5.0
     segment_ttl: float = 10.0  # etcd lease of published descriptors (renewed while alive)
@@ -110,6 +112,8 @@ class TransferConfig:
             raise ValueError("port must be in [0, 65535]")
         self.slice_bytes = parse_size(self.slice_bytes)
         self.max_inflight_bytes = parse_size(self.max_inflight_bytes)
+        self.shm_inline_bytes = parse_size(self.shm_inline_bytes)
+        self.tcp_inline_bytes = parse_size(self.tcp_inline_bytes)
         if not 4096 <= self.slice_bytes <= MAX_FRAME_BYTES:
             raise ValueError(f"slice_bytes must be in [4096, {MAX_FRAME_BYTES}]")
         if self.max_inflight_bytes < 1:

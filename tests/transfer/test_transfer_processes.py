@@ -151,6 +151,11 @@ def test_timeout_of_a_stalled_peer_then_recovery(peer_factory, engine_factory, m
             te.read(buf, "peer-e/kv", timeout=0.5)
         assert time.monotonic() - t0 < 10
         assert te.stats.snapshot().errors["timeout"] == 1
+        fresh = engine_factory(directory=metadata.url, transport="tcp")
+        t0 = time.monotonic()
+        with pytest.raises(KVPoolTimeoutError):  # the handshake itself stalls
+            fresh.read(buf[:10], "peer-e/kv", timeout=0.5)
+        assert time.monotonic() - t0 < 3
     finally:
         peer.resume()
     te.read(buf, "peer-e/kv", timeout=30)

@@ -60,13 +60,20 @@ class _Inflight:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
+        self.waiters = 0
         self._cond = threading.Condition()
 
     def acquire(self, n: int, block: bool, timeout: float, peer: str) -> None:
         with self._cond:
-            ok = self._cond.wait_for(
-                lambda: self.used == 0 or self.used + n <= self.limit, timeout if block else 0
-            )
+            ok = self.used == 0 or self.used + n <= self.limit
+            if not ok and block:
+                self.waiters += 1
+                try:
+                    ok = self._cond.wait_for(
+                        lambda: self.used == 0 or self.used + n <= self.limit, timeout
+                    )
+                finally:
+                    self.waiters -= 1
             if not ok:
                 raise BackpressureError(
                     f"{self.used} bytes already in flight to {peer} (limit {self.limit}); "
@@ -77,7 +84,8 @@ class _Inflight:
     def release(self, n: int) -> None:
         with self._cond:
             self.used -= n
-            self._cond.notify_all()
+            if self.waiters:
+                self._cond.notify_all()
 
 
 class _Reaper:
@@ -87,6 +95,7 @@ class _Reaper:
         self._heap: list[tuple[float, int, PendingOp]] = []
         self._cond = threading.Condition()
         self._seq = 0
+        self._purge_at = 4096
         self._closed = False
         self._on_deadline = on_deadline
         self._thread = threading.Thread(
@@ -96,10 +105,16 @@ class _Reaper:
 
     def add(self, ops: list[PendingOp]) -> None:
         with self._cond:
+            earliest = self._heap[0][0] if self._heap else float("inf")
             for op in ops:
                 self._seq += 1
                 heapq.heappush(self._heap, (op.deadline, self._seq, op))
-            self._cond.notify()
+            if len(self._heap) > self._purge_at:  # drop finished ops (amortized O(1))
+                self._heap = [e for e in self._heap if e[2].state is State.PENDING]
+                heapq.heapify(self._heap)
+                self._purge_at = max(4096, 2 * len(self._heap))
+            if self._heap and self._heap[0][0] < earliest:  # wake it only to sleep less
+                self._cond.notify()
 
     def close(self) -> None:
         with self._cond:
@@ -138,6 +153,7 @@ class TransferEngine:
         self._by_name: dict[str, Segment] = {}
         self._next_id = 1
         self._descs: dict[str, SegmentDescriptor] = {}
+        self._picks: dict[tuple[str, str], str] = {}  # (segment, mode) -> transport
         self._limits: dict[str, _Inflight] = {}
         reap_stale_shm()
         self.directory = directory or open_directory(cfg.directory, cfg.segment_ttl, cfg.auth_token)
@@ -267,11 +283,18 @@ class TransferEngine:
         ``timeout`` is each request's deadline in seconds (default ``request_timeout``)."""
         if self._closed:
             raise TransferError("transfer engine is closed")
-        ops = [self._prepare(r) for r in requests]
-        handle = BatchHandle(ops)
+        views: dict[tuple[int, bool], memoryview] = {}  # one view per local buffer per batch
+        handle = BatchHandle()
+        for r in requests:
+            handle._add(self._prepare(r, views, handle))
+        ops = handle._ops
         groups: dict[tuple[str, str], list[PendingOp]] = {}
+        mode = self.config.transport
         for op in ops:
-            groups.setdefault((op.desc.owner_id, self._pick(op.desc)), []).append(op)
+            pick = self._picks.get((op.desc.name, mode))
+            if pick is None:
+                pick = self._picks[(op.desc.name, mode)] = self._pick(op.desc)
+            groups.setdefault((op.desc.owner_id, pick), []).append(op)
         deadline_s = timeout if timeout is not None else self.config.request_timeout
         acquired: list[tuple[_Inflight, int]] = []
         try:
@@ -290,10 +313,12 @@ class TransferEngine:
             op.started = now
             op.deadline = now + deadline_s
             op.on_finish = self._finished
-            self.stats.add_inflight(op.length)
-        self._reaper.add(ops)
+            op.limit = self._limits[op.desc.owner_id]
+        self.stats.add_inflight(sum(n for _, n in acquired))
         for (_, transport), group in groups.items():
             self._transports[transport].submit(group)
+        if not handle.done():  # ops done inline (small shm copies) need no deadline
+            self._reaper.add([op for op in ops if op.state is State.PENDING])
         return handle
 
     def transfer(
@@ -325,9 +350,14 @@ class TransferEngine:
         handle = await loop.run_in_executor(None, lambda: self.submit(requests, timeout=timeout))
         return await handle.wait_async()
 
-    def _prepare(self, req: TransferRequest) -> PendingOp:
-        op = Op[req.op.upper()] if isinstance(req.op, str) else Op(req.op)
-        view = byte_view(req.local, writable=op is Op.READ)
+    def _prepare(
+        self, req: TransferRequest, views: dict[tuple[int, bool], memoryview], handle: BatchHandle
+    ) -> PendingOp:
+        op = req.op if type(req.op) is Op else _parse_op(req.op)
+        key = (id(req.local), op is Op.READ)
+        view = views.get(key)
+        if view is None:
+            view = views[key] = byte_view(req.local, writable=op is Op.READ)
         start = req.local_offset
         length = len(view) - start if req.length is None else req.length
         if start < 0 or length < 1 or start + length > len(view):
@@ -341,7 +371,7 @@ class TransferEngine:
                 f"remote range [{req.remote_offset}, {req.remote_offset + length}) outside "
                 f"segment {desc.name!r} of {desc.size} bytes"
             )
-        return PendingOp(op, view[start : start + length], desc, req.remote_offset)
+        return PendingOp(op, view[start : start + length], desc, req.remote_offset, handle)
 
     def _pick(self, desc: SegmentDescriptor) -> str:
         choice = self.config.transport
@@ -359,19 +389,24 @@ class TransferEngine:
             return limit
 
     def _finished(self, op: PendingOp) -> None:
-        self._limit(op.desc.owner_id).release(op.length)
-        self.stats.add_inflight(-op.length)
+        op.limit.release(op.length)
         if op.state is State.DONE:
             direction = "read" if op.op is Op.READ else "write"
             self.stats.finished(op.transport, direction, op.length, time.monotonic() - op.started)
             return
+        self.stats.add_inflight(-op.length)
         err = op.error
         kind = type(err).__name__ if err is not None else "unknown"
         self.stats.error(
             "timeout" if isinstance(err, KVPoolTimeoutError) else _ERROR_KINDS.get(kind, "transfer")
         )
         if isinstance(err, TransferError | NotFoundError):
-            self._descs.pop(op.desc.name, None)  # re-resolve: the peer may have moved
+            self._forget(op.desc.name)  # re-resolve: the peer may have moved
+
+    def _forget(self, name: str) -> None:
+        self._descs.pop(name, None)
+        for key in [k for k in self._picks if k[0] == name]:
+            self._picks.pop(key, None)
 
     def _on_deadline(self, op: PendingOp) -> None:
         if op.state is State.PENDING:
@@ -400,6 +435,13 @@ class TransferEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _parse_op(value: object) -> Op:
+    try:
+        return Op[value.upper()] if isinstance(value, str) else Op(value)
+    except (KeyError, ValueError) as exc:
+        raise BadRequestError(f"op must be READ or WRITE, got {value!r}") from exc
 
 
 def owner_is_dead(desc: SegmentDescriptor, timeout: float = 1.0) -> bool:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 from kvpool.common.errors import KVPoolError, KVPoolTimeoutError, TransferError
 from kvpool.transfer.protocol import Op
@@ -40,8 +40,7 @@ class State(Enum):
     FAILED = "failed"
 
 
-@dataclass(slots=True, frozen=True)
-class TransferStatus:
+class TransferStatus(NamedTuple):
     """The outcome of one request: DONE only when every byte has moved."""
 
     state: State
@@ -70,6 +69,7 @@ class PendingOp:
         "deadline",
         "desc",
         "length",
+        "limit",
         "local",
         "on_finish",
         "op",
@@ -80,7 +80,14 @@ class PendingOp:
         "transport",
     )
 
-    def __init__(self, op: Op, local: memoryview, desc: SegmentDescriptor, remote_offset: int):
+    def __init__(
+        self,
+        op: Op,
+        local: memoryview,
+        desc: SegmentDescriptor,
+        remote_offset: int,
+        handle: BatchHandle | None = None,
+    ) -> None:
         self.op = op
         self.local = local
         self.desc = desc
@@ -92,12 +99,16 @@ class PendingOp:
         self.transport = ""
         self.conns: list = []
         self.deadline = 0.0
-        self.started = time.monotonic()
+        self.started = 0.0
         self.on_finish: Callable[[PendingOp], None] | None = None
+        self.limit = None  # the engine's in-flight bound for this peer
         self._frames_left = 1
         self._error: KVPoolError | None = None
-        self._lock = threading.Lock()
-        self._handle: BatchHandle | None = None
+        if handle is None:
+            handle = BatchHandle()
+            handle._add(self)
+        self._handle = handle
+        self._lock = handle._lock  # one lock per batch: ops of a batch rarely contend
 
     def set_frames(self, n: int) -> None:
         self._frames_left = n
@@ -122,8 +133,7 @@ class PendingOp:
             self.state = State.DONE if ok else State.FAILED
         if self.on_finish is not None:
             self.on_finish(self)
-        if self._handle is not None:
-            self._handle._op_finished()
+        self._handle._op_finished()
 
     def fail(self, error: KVPoolError) -> None:
         """Resolve every remaining frame with ``error`` (no frame may still be running)."""
@@ -156,35 +166,43 @@ def _call_safely(fn: Callable[[BatchHandle], None], handle: BatchHandle) -> None
 class BatchHandle:
     """A submitted batch: poll it, wait on it (threads or asyncio), read per-request status."""
 
-    def __init__(self, ops: list[PendingOp]) -> None:
-        self._ops = ops
-        self._cond = threading.Condition()
-        self._left = len(ops)
+    def __init__(self) -> None:
+        self._ops: list[PendingOp] = []
+        self._lock = threading.Lock()
+        self._left = 0
+        self._event: threading.Event | None = None  # made only if someone has to block
         self._callbacks: list[Callable[[BatchHandle], None]] = []
-        for op in ops:
-            op._handle = self
+
+    def _add(self, op: PendingOp) -> None:
+        self._ops.append(op)
+        self._left += 1
 
     def _op_finished(self) -> None:
-        with self._cond:
+        with self._lock:
             self._left -= 1
-            finished = self._left == 0
-            if finished:
-                self._cond.notify_all()
-                callbacks, self._callbacks = self._callbacks, []
-        if finished:
-            for cb in callbacks:
-                _call_safely(cb, self)
+            if self._left:
+                return
+            event, callbacks, self._callbacks = self._event, self._callbacks, []
+        if event is not None:
+            event.set()
+        for cb in callbacks:
+            _call_safely(cb, self)
 
     def done(self) -> bool:
-        with self._cond:
-            return self._left == 0
+        return self._left == 0
 
     def wait(self, timeout: float | None = None) -> list[TransferStatus]:
         """Block until every request has finished; raise ``KVPoolTimeoutError`` if it takes longer
         than ``timeout`` (the transfers themselves go on until their own deadline)."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._left == 0, timeout):
-                raise KVPoolTimeoutError(f"batch not finished after {timeout} s")
+        with self._lock:
+            if self._left:
+                if self._event is None:
+                    self._event = threading.Event()
+                event = self._event
+            else:
+                event = None
+        if event is not None and not event.wait(timeout):
+            raise KVPoolTimeoutError(f"batch not finished after {timeout} s")
         return self.statuses()
 
     def statuses(self) -> list[TransferStatus]:
@@ -192,7 +210,7 @@ class BatchHandle:
 
     def add_done_callback(self, fn: Callable[[BatchHandle], None]) -> None:
         """Call ``fn(handle)`` once every request has finished (now, if they already have)."""
-        with self._cond:
+        with self._lock:
             if self._left:
                 self._callbacks.append(fn)
                 return

@@ -37,27 +37,31 @@ class TransferStats:
     requests: Counter = field(default_factory=Counter)  # (transport, direction) -> requests
     errors: Counter = field(default_factory=Counter)  # kind -> count
     served_bytes: Counter = field(default_factory=Counter)  # direction -> bytes (TCP server)
-    served_requests: Counter = field(default_factory=Counter)
     latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
     latency_sum: float = 0.0
     inflight_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def finished(self, transport: str, direction: str, nbytes: int, seconds: float) -> None:
+        """A request completed: count it and take its bytes out of the in-flight total."""
         with self._lock:
             self.bytes[(transport, direction)] += nbytes
             self.requests[(transport, direction)] += 1
             self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
             self.latency_sum += seconds
+            self.inflight_bytes -= nbytes
 
     def error(self, kind: str) -> None:
         with self._lock:
             self.errors[kind] += 1
 
-    def served(self, direction: str, nbytes: int) -> None:
+    def served_batch(self, served: dict[str, int]) -> None:
+        """Count a served train's bytes (per direction) and reset the caller's tallies."""
         with self._lock:
-            self.served_bytes[direction] += nbytes
-            self.served_requests[direction] += 1
+            for direction, nbytes in served.items():
+                if nbytes:
+                    self.served_bytes[direction] += nbytes
+                    served[direction] = 0
 
     def add_inflight(self, nbytes: int) -> None:
         with self._lock:
@@ -70,7 +74,6 @@ class TransferStats:
                 Counter(self.requests),
                 Counter(self.errors),
                 Counter(self.served_bytes),
-                Counter(self.served_requests),
                 list(self.latency_counts),
                 self.latency_sum,
                 self.inflight_bytes,

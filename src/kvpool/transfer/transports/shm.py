@@ -1,7 +1,8 @@
 """Shared-memory transport: map a same-host peer's segment once, copy with the GIL released.
 
-Copies run on one worker thread per engine (``numpy.copyto`` releases the GIL), so ``submit``
-returns at once and a whole batch costs one hand-off. The mapping stays valid if the owner
+Batches up to ``shm_inline_bytes`` are copied by the submitting thread (cheaper than any
+thread hand-off); larger ones by one copy thread per engine, so ``submit`` returns at once and a
+whole batch costs one hand-off. ``numpy.copyto`` releases the GIL either way. The mapping stays valid if the owner
 dies, so liveness is checked after each batch: bytes read from a dead owner's segment are not
 reported as done.
 """
@@ -46,7 +47,11 @@ class ShmTransport(Transport):
     def submit(self, ops: list[PendingOp]) -> None:
         for op in ops:
             op.transport = self.name
-        self._queue.put(ops)
+        if sum(op.length for op in ops) <= self.ctx.config.shm_inline_bytes:
+            # below this a memcpy costs less than waking the copy thread: copy right here
+            self._finish([op for op in ops if self._copy(op)])
+        else:
+            self._queue.put(ops)
 
     def cancel(self, op: PendingOp) -> None:
         op.timed_out = True  # the worker fails it unless its copy already ran
@@ -96,12 +101,12 @@ class ShmTransport(Transport):
 
     def _finish(self, copied: list[PendingOp]) -> None:
         """Report copied ops done, unless their segment's owner died meanwhile."""
-        dead: set[int] = set()
+        alive: dict[int, bool] = {}
         for op in copied:
-            remote = op.desc.owner_id != self.ctx.owner_id
-            if remote and op.desc.pid not in dead and not pid_alive(op.desc.pid):
-                dead.add(op.desc.pid)
-            if op.desc.pid in dead:
+            pid = op.desc.pid
+            if op.desc.owner_id != self.ctx.owner_id and pid not in alive:
+                alive[pid] = pid_alive(pid)
+            if not alive.get(pid, True):
                 self.forget(op.desc)
                 op.fail(TransferError(f"owner of segment {op.desc.name} died during the copy"))
             else:

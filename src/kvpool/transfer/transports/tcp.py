@@ -16,9 +16,16 @@ import itertools
 import logging
 import socket
 import threading
+import time
 from collections import deque
 
-from kvpool.common.errors import BadRequestError, NotFoundError, TransferError
+from kvpool.common.errors import (
+    BadRequestError,
+    KVPoolError,
+    KVPoolTimeoutError,
+    NotFoundError,
+    TransferError,
+)
 from kvpool.transfer import protocol as P
 from kvpool.transfer.request import PendingOp
 from kvpool.transfer.segment import SegmentDescriptor
@@ -45,11 +52,14 @@ class _Frame:
 class _Connection:
     """One socket with a sender and a receiver thread; frames are answered in order."""
 
-    def __init__(self, sock: socket.socket, peer: str) -> None:
+    def __init__(self, sock: socket.socket, peer: str, inline_bytes: int) -> None:
         self.sock = sock
         self.peer = peer
+        self.inline_bytes = inline_bytes
         self._cond = threading.Condition()
+        self._send_lock = threading.Lock()  # whoever holds it sends (frame order = send order)
         self._queue: deque[_Frame] = deque()
+        self._queued_payload = 0
         self._pending: deque[_Frame] = deque()
         self._ids = itertools.count(1)
         self.dead = False
@@ -62,12 +72,33 @@ class _Connection:
         self._receiver.start()
 
     def enqueue(self, frames: list[_Frame]) -> bool:
-        """Queue frames; False if the connection is already dead (the caller redials)."""
+        """Queue frames; False if the connection is already dead (the caller redials).
+
+        A small train (READ headers, small WRITEs) is sent right here by the submitting thread
+        when nobody else is sending: no hand-off to the sender thread on the hot path.
+        """
+        payload = sum(f.length for f in frames if f.op.op is P.Op.WRITE)
         with self._cond:
             if self.dead:
                 return False
             self._queue.extend(frames)
-            self._cond.notify()
+            self._queued_payload += payload
+            small = self._queued_payload <= self.inline_bytes
+            if not small:
+                self._cond.notify()
+        if small and self._send_lock.acquire(blocking=False):
+            try:
+                self._drain()
+            except OSError as exc:
+                self.abort(f"send failed: {exc}")
+            finally:
+                self._send_lock.release()
+            with self._cond:
+                if self._queue:  # raced with another submitter: the sender takes over
+                    self._cond.notify()
+        elif small:
+            with self._cond:
+                self._cond.notify()
         return True
 
     def abort(self, reason: str) -> None:
@@ -88,10 +119,19 @@ class _Connection:
                         self._cond.wait()
                     if self.dead:
                         return
-                    train = self._take_train()
-                self._send(train)
+                with self._send_lock:
+                    self._drain()
         except OSError as exc:
             self.abort(f"send failed: {exc}")
+
+    def _drain(self) -> None:
+        """Send queued frames as trains until the queue is empty (caller holds the send lock)."""
+        while True:
+            with self._cond:
+                if self.dead or not self._queue:
+                    return
+                train = self._take_train()
+            self._send(train)
 
     def _take_train(self) -> list[_Frame]:
         train: list[_Frame] = []
@@ -101,6 +141,8 @@ class _Connection:
             frame.req_id = next(self._ids)
             train.append(frame)
             nbytes += frame.length
+            if frame.op.op is P.Op.WRITE:
+                self._queued_payload -= frame.length
         self._pending.extend(train)
         return train
 
@@ -152,7 +194,9 @@ class _Connection:
             frames = list(self._pending) + list(self._queue)
             self._pending.clear()
             self._queue.clear()
-        self._sender.join(timeout=10)  # the sender must stop reading WRITE buffers first
+        self._sender.join(timeout=10)  # senders must stop reading WRITE buffers first
+        if self._send_lock.acquire(timeout=10):
+            self._send_lock.release()
         err = TransferError(f"connection to {self.peer} lost: {self.reason}")
         for frame in frames:
             frame.op.frame_done(0, err)
@@ -182,11 +226,16 @@ class TcpTransport(Transport):
     def submit(self, ops: list[PendingOp]) -> None:
         frames = self._slice(ops)
         peer = (ops[0].desc.host, ops[0].desc.port)
+        budget = min(op.deadline for op in ops) - time.monotonic()
         try:
-            conns = self._connections(peer, sum(op.length for op in ops))
+            conns = self._connections(peer, sum(op.length for op in ops), budget)
         except (OSError, TransferError) as exc:
             self.ctx.stats.error("connect")
-            err = TransferError(f"cannot reach transfer peer {peer[0]}:{peer[1]}: {exc}")
+            err: KVPoolError = TransferError(
+                f"cannot reach transfer peer {peer[0]}:{peer[1]}: {exc or type(exc).__name__}"
+            )
+            if isinstance(exc, TimeoutError):
+                err = KVPoolTimeoutError(f"connecting to {peer[0]}:{peer[1]} timed out")
             for op in ops:
                 op.fail(err)
             return
@@ -233,14 +282,25 @@ class TcpTransport(Transport):
                 frames.append(_Frame(op, op.local[a : a + step], op.remote_offset + a))
         return frames
 
-    def _connections(self, peer: tuple[str, int], nbytes: int) -> list[_Connection]:
-        """Live connections to ``peer``: as many as the batch can use, up to ``num_streams``."""
+    def _connections(self, peer: tuple[str, int], nbytes: int, budget: float) -> list[_Connection]:
+        """Live connections to ``peer``: as many as the batch can use, up to ``num_streams``
+        (dialing within ``budget`` seconds; with one live connection, a failed extra dial
+        just means less striping)."""
         want = min(self.ctx.config.num_streams, max(1, -(-nbytes // self.ctx.config.slice_bytes)))
         with self._lock:
             conns = [c for c in self._pools.get(peer, []) if not c.dead]
             self._pools[peer] = conns
             missing = want - len(conns)
-        fresh = [self._dial(peer) for _ in range(max(0, missing))]
+        fresh = []
+        timeout = max(0.01, min(self.ctx.config.connect_timeout, budget))
+        for _ in range(max(0, missing)):
+            try:
+                fresh.append(self._dial(peer, timeout))
+            except (OSError, TransferError):
+                if not conns and not fresh:
+                    raise
+                logger.info("transfer: extra connection to %s:%s failed; striping less", *peer)
+                break
         with self._lock:
             conns = self._pools.setdefault(peer, [])
             conns.extend(fresh)
@@ -249,9 +309,9 @@ class TcpTransport(Transport):
             raise TransferError("no live connection")
         return live[: max(want, 1)]
 
-    def _dial(self, peer: tuple[str, int]) -> _Connection:
+    def _dial(self, peer: tuple[str, int], timeout: float) -> _Connection:
         cfg = self.ctx.config
-        sock = socket.create_connection(peer, timeout=cfg.connect_timeout)
+        sock = socket.create_connection(peer, timeout=timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             token = (cfg.auth_token or "").encode()
@@ -268,4 +328,4 @@ class TcpTransport(Transport):
         except BaseException:
             sock.close()
             raise
-        return _Connection(sock, f"{peer[0]}:{peer[1]}")
+        return _Connection(sock, f"{peer[0]}:{peer[1]}", int(cfg.tcp_inline_bytes))

@@ -26,6 +26,7 @@ HANDSHAKE_TIMEOUT = 5.0
 FLUSH_FRAMES = 256
 FLUSH_BYTES = 8 << 20
 DRAIN_CHUNK = 1 << 20
+HEADER_BUFFER = 4096  # up to 128 headers per recv; at most this much payload is staged
 
 
 class TransferServer:
@@ -120,13 +121,12 @@ class TransferServer:
         return True
 
     def _frames(self, conn: socket.socket) -> None:
-        header = bytearray(P.REQUEST.size)
-        hview = memoryview(header)
+        reader = _Reader(conn)
         out: list = []
         out_bytes = 0
+        served = {"read": 0, "write": 0}
         while True:
-            P.recv_exact(conn, hview)
-            op, flags, seg_id, req_id, offset, length = P.parse_request(header)
+            op, flags, seg_id, req_id, offset, length = P.parse_request(reader.header())
             seg = self._lookup(seg_id)
             status = P.Status.OK
             if seg is None:
@@ -137,22 +137,66 @@ class TransferServer:
                 self._stats.error("bounds" if seg is not None else "unknown_segment")
             if op == P.Op.WRITE:
                 if status == P.Status.OK:
-                    P.recv_exact(conn, seg.view[offset : offset + length])
-                    self._stats.served("write", length)
+                    reader.read_into(seg.view[offset : offset + length])
+                    served["write"] += length
                 else:
-                    _drain(conn, length)
+                    reader.skip(length)
                 out.append(P.RESPONSE.pack(status, op, 0, 0, req_id, 0))
             elif status == P.Status.OK:
                 out.append(P.RESPONSE.pack(status, op, 0, 0, req_id, length))
                 out.append(seg.view[offset : offset + length])
                 out_bytes += length
-                self._stats.served("read", length)
+                served["read"] += length
             else:
                 out.append(P.RESPONSE.pack(status, op, 0, 0, req_id, 0))
             if flags & P.FLAG_END or len(out) >= FLUSH_FRAMES or out_bytes >= FLUSH_BYTES:
                 P.sendmsg_all(conn, out)
                 out.clear()
                 out_bytes = 0
+                self._stats.served_batch(served)
+
+
+class _Reader:
+    """Reads a connection: headers through a small staging buffer (one ``recv`` brings a whole
+    train of them), payloads straight into their destination once the buffer is drained."""
+
+    def __init__(self, conn: socket.socket, size: int = HEADER_BUFFER) -> None:
+        self.conn = conn
+        self.buf = bytearray(size)
+        self.view = memoryview(self.buf)
+        self.start = 0
+        self.end = 0
+
+    def header(self) -> memoryview:
+        n = P.REQUEST.size
+        if self.end - self.start < n:
+            if self.start:  # move the partial header to the front
+                left = self.end - self.start
+                self.view[:left] = self.view[self.start : self.end]
+                self.start, self.end = 0, left
+            while self.end < n:
+                k = self.conn.recv_into(self.view[self.end :])
+                if k == 0:
+                    raise ConnectionError("peer closed the connection")
+                self.end += k
+        head = self.view[self.start : self.start + n]
+        self.start += n
+        return head
+
+    def read_into(self, dest: memoryview) -> None:
+        have = min(self.end - self.start, len(dest))
+        if have:
+            dest[:have] = self.view[self.start : self.start + have]
+            self.start += have
+        if have < len(dest):
+            P.recv_exact(self.conn, dest[have:])
+
+    def skip(self, length: int) -> None:
+        """Consume a rejected WRITE's payload so the stream stays in sync."""
+        have = min(self.end - self.start, length)
+        self.start += have
+        if length > have:
+            _drain(self.conn, length - have)
 
 
 def _drain(conn: socket.socket, length: int) -> None:
