@@ -148,7 +148,10 @@ def bench_shm(res: Results, te: TransferEngine, seconds: float, n_rounds: int) -
 
         ours = batch_fn(te, dst, "bench/shm", 1, size)
         med = rounds(
-            {"memcpy": lambda: timed(memcpy, seconds), "shm": lambda: timed(ours, seconds)},
+            {
+                "memcpy": lambda memcpy=memcpy: timed(memcpy, seconds),
+                "shm": lambda ours=ours: timed(ours, seconds),
+            },
             n_rounds,
         )
         res.figure(f"memcpy_GBps_{label}", med["memcpy"])

@@ -70,8 +70,8 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
     """Fill ``view`` from the socket, straight into its memory; EOF raises ``ConnectionError``."""
     got = 0
     n = len(view)
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
+    while got < n:  # MSG_WAITALL: one syscall (and one GIL round trip) for the whole payload
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
         if k == 0:
             raise ConnectionError("peer closed the connection")
         got += k
