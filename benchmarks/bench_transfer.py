@@ -122,8 +122,10 @@ def start_peer(directory: str, name: str, *extra: str) -> subprocess.Popen:
 
 
 def batch_fn(te: TransferEngine, buf: np.ndarray, remote: str, n: int, size: int):
+    """``n`` READs of ``size`` bytes in one batch; remote offsets strided (every other slot,
+    backwards) so that nothing could merge them into one big request."""
     reqs = [
-        TransferRequest(Op.READ, buf, remote, i * size, size, local_offset=i * size)
+        TransferRequest(Op.READ, buf, remote, (2 * (n - 1 - i)) * size, size, local_offset=i * size)
         for i in range(n)
     ]
 

@@ -61,7 +61,7 @@ class _Inflight:
         self.limit = limit
         self.used = 0
         self.waiters = 0
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())
 
     def acquire(self, n: int, block: bool, timeout: float, peer: str) -> None:
         with self._cond:
@@ -287,7 +287,22 @@ class TransferEngine:
         handle = BatchHandle()
         for r in requests:
             handle._add(self._prepare(r, views, handle))
-        ops = handle._ops
+        groups = self._group(handle._ops)
+        deadline_s = timeout if timeout is not None else self.config.request_timeout
+        self._admit(groups, block, deadline_s)
+        now = time.monotonic()
+        for op in handle._ops:
+            op.started = now
+            op.deadline = now + deadline_s
+            op.on_finish = self._finished
+        for transport, group in groups:
+            transport.submit(group)
+        if not handle.done():  # ops done inline (small shm copies) need no deadline
+            self._reaper.add([op for op in handle._ops if op.state is State.PENDING])
+        return handle
+
+    def _group(self, ops: list[PendingOp]) -> list[tuple[Transport, list[PendingOp]]]:
+        """Ops by (peer, transport)."""
         groups: dict[tuple[str, str], list[PendingOp]] = {}
         mode = self.config.transport
         for op in ops:
@@ -295,31 +310,31 @@ class TransferEngine:
             if pick is None:
                 pick = self._picks[(op.desc.name, mode)] = self._pick(op.desc)
             groups.setdefault((op.desc.owner_id, pick), []).append(op)
-        deadline_s = timeout if timeout is not None else self.config.request_timeout
+        return [(self._transports[t], group) for (_, t), group in groups.items()]
+
+    def _admit(
+        self, groups: list[tuple[Transport, list[PendingOp]]], block: bool, timeout: float
+    ) -> None:
+        """Take in-flight room per peer (all or nothing); groups the transport moves inline,
+        within ``submit`` itself, never count as in flight."""
         acquired: list[tuple[_Inflight, int]] = []
         try:
-            for (owner, _), group in groups.items():
-                limit = self._limit(owner)
+            for transport, group in groups:
                 n = sum(op.length for op in group)
-                limit.acquire(n, block, deadline_s, group[0].desc.host)
+                if transport.is_inline(n):
+                    continue
+                limit = self._limit(group[0].desc.owner_id)
+                limit.acquire(n, block, timeout, group[0].desc.host)
                 acquired.append((limit, n))
+                for op in group:
+                    op.limit = limit
         except BackpressureError:
             for limit, n in acquired:
                 limit.release(n)
             self.stats.error("backpressure")
             raise
-        now = time.monotonic()
-        for op in ops:
-            op.started = now
-            op.deadline = now + deadline_s
-            op.on_finish = self._finished
-            op.limit = self._limits[op.desc.owner_id]
-        self.stats.add_inflight(sum(n for _, n in acquired))
-        for (_, transport), group in groups.items():
-            self._transports[transport].submit(group)
-        if not handle.done():  # ops done inline (small shm copies) need no deadline
-            self._reaper.add([op for op in ops if op.state is State.PENDING])
-        return handle
+        if acquired:
+            self.stats.add_inflight(sum(n for _, n in acquired))
 
     def transfer(
         self, requests: Iterable[TransferRequest], timeout: float | None = None
@@ -389,12 +404,16 @@ class TransferEngine:
             return limit
 
     def _finished(self, op: PendingOp) -> None:
-        op.limit.release(op.length)
+        counted = op.limit is not None
+        if counted:
+            op.limit.release(op.length)
         if op.state is State.DONE:
             direction = "read" if op.op is Op.READ else "write"
-            self.stats.finished(op.transport, direction, op.length, time.monotonic() - op.started)
+            seconds = time.monotonic() - op.started
+            self.stats.finished(op.transport, direction, op.length, seconds, counted)
             return
-        self.stats.add_inflight(-op.length)
+        if counted:
+            self.stats.add_inflight(-op.length)
         err = op.error
         kind = type(err).__name__ if err is not None else "unknown"
         self.stats.error(

@@ -42,14 +42,17 @@ class TransferStats:
     inflight_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def finished(self, transport: str, direction: str, nbytes: int, seconds: float) -> None:
-        """A request completed: count it and take its bytes out of the in-flight total."""
+    def finished(
+        self, transport: str, direction: str, nbytes: int, seconds: float, inflight: bool = True
+    ) -> None:
+        """A request completed: count it (and take its bytes out of the in-flight total)."""
         with self._lock:
             self.bytes[(transport, direction)] += nbytes
             self.requests[(transport, direction)] += 1
             self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
             self.latency_sum += seconds
-            self.inflight_bytes -= nbytes
+            if inflight:
+                self.inflight_bytes -= nbytes
 
     def error(self, kind: str) -> None:
         with self._lock:

@@ -45,6 +45,10 @@ class Transport(ABC):
     def submit(self, ops: list[PendingOp]) -> None:
         """Start moving ``ops`` (all to the same peer); return without waiting for them."""
 
+    def is_inline(self, nbytes: int) -> bool:
+        """Whether a batch of ``nbytes`` completes inside ``submit`` (no in-flight tracking)."""
+        return False
+
     def cancel(self, op: PendingOp) -> None:  # noqa: B027 - optional
         """Stop an op that missed its deadline; it must still resolve (as failed) soon."""
 

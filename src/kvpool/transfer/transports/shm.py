@@ -44,10 +44,13 @@ class ShmTransport(Transport):
             and os.path.exists(os.path.join(SHM_DIR, desc.shm_name))
         )
 
+    def is_inline(self, nbytes: int) -> bool:
+        return nbytes <= self.ctx.config.shm_inline_bytes
+
     def submit(self, ops: list[PendingOp]) -> None:
         for op in ops:
             op.transport = self.name
-        if sum(op.length for op in ops) <= self.ctx.config.shm_inline_bytes:
+        if self.is_inline(sum(op.length for op in ops)):
             # below this a memcpy costs less than waking the copy thread: copy right here
             self._finish([op for op in ops if self._copy(op)])
         else:

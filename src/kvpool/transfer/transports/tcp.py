@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 TRAIN_FRAMES = 512
 TRAIN_BYTES = 32 << 20
+CHUNK_FRAMES = 16
 
 
 class _Frame:
@@ -239,18 +240,21 @@ class TcpTransport(Transport):
             for op in ops:
                 op.fail(err)
             return
-        buckets: dict[int, list[_Frame]] = {}
+        per_conn: list[list[_Frame]] = [[] for _ in conns]
         start = next(self._rr)
         for i, frame in enumerate(frames):
-            buckets.setdefault((start + i) % len(conns), []).append(frame)
-        for idx, group in buckets.items():
-            conn = conns[idx]
-            for op in {id(f.op): f.op for f in group}.values():
-                op.conns.append(conn)
-            if not conn.enqueue(group):
-                err = TransferError(f"connection to {conn.peer} lost: {conn.reason}")
-                for frame in group:
-                    frame.op.frame_done(0, err)
+            k = (start + i) % len(conns)
+            per_conn[k].append(frame)
+            if not frame.op.conns or frame.op.conns[-1] is not conns[k]:
+                frame.op.conns.append(conns[k])
+        # Trains of CHUNK frames: the peer starts answering while later frames are packed.
+        for a in range(0, max(map(len, per_conn)), CHUNK_FRAMES):
+            for conn, group in zip(conns, per_conn, strict=True):
+                part = group[a : a + CHUNK_FRAMES]
+                if part and not conn.enqueue(part):
+                    err = TransferError(f"connection to {conn.peer} lost: {conn.reason}")
+                    for frame in part:
+                        frame.op.frame_done(0, err)
 
     def cancel(self, op: PendingOp) -> None:
         op.timed_out = True
@@ -275,7 +279,10 @@ class TcpTransport(Transport):
         frames: list[_Frame] = []
         for op in ops:
             op.transport = self.name
-            n = max(1, -(-op.length // step))
+            if op.length <= step:  # the common case: one frame, no slicing
+                frames.append(_Frame(op, op.local, op.remote_offset))
+                continue
+            n = -(-op.length // step)
             op.set_frames(n)
             for k in range(n):
                 a = k * step
