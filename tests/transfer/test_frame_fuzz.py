@@ -119,7 +119,8 @@ def test_valid_frames_are_answered_in_order(target):
             P.RESPONSE.pack(0, P.Op.WRITE, 0, 0, 1, 0)
             + P.RESPONSE.pack(0, P.Op.READ, 0, 0, 2, 5)
             + b"\x05abc\x05"
-            + P.RESPONSE.pack(P.Status.OUT_OF_BOUNDS, P.Op.READ, 0, 0, 3, 0)
+            + P.RESPONSE.pack(P.Status.OUT_OF_BOUNDS, P.Op.READ, 0, 0, 3, 2)
+            + b"\0\0"  # a refused READ still carries its length, as zeros
         )
         got = b""
         while len(got) < len(want):

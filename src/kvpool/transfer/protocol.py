@@ -6,7 +6,9 @@ answers ``WELCOME`` (magic, status) and closes the connection unless the status 
 Then the client sends request frames, a 32-byte header each, a WRITE's payload right after its
 header. Frames are sent in trains; the last frame of a train carries ``FLAG_END``, which tells
 the server to flush the responses it has gathered. Every request gets one 24-byte response
-header, in order; a successful READ's payload follows its response header.
+header, in order. A READ's response header is always followed by exactly ``length`` payload
+bytes (zeros when the status is not OK), so the size of every reply is known in advance and a
+client can receive a whole train of replies with one scatter read.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
 
 def sendmsg_all(sock: socket.socket, buffers: list) -> None:
     """Send a list of buffers with scatter/gather I/O (no joining copy), handling short writes."""
-    bufs = [memoryview(b).cast("B") for b in buffers]
+    bufs = [b if isinstance(b, bytes) else _flat(b) for b in buffers]
     i = 0
     while i < len(bufs):
         sent = sock.sendmsg(bufs[i : i + 512])
@@ -89,7 +91,31 @@ def sendmsg_all(sock: socket.socket, buffers: list) -> None:
                 sent -= head
                 i += 1
             else:
-                bufs[i] = bufs[i][sent:]
+                bufs[i] = memoryview(bufs[i])[sent:]
                 sent = 0
         while i < len(bufs) and len(bufs[i]) == 0:
             i += 1
+
+
+def _flat(buf) -> memoryview:
+    view = memoryview(buf)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def recvmsg_exact(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill every view, in order, with scatter reads (``MSG_WAITALL``): typically one syscall
+    for a whole train of replies; EOF raises ``ConnectionError``."""
+    views = [v for v in views if len(v)]
+    i = 0
+    while i < len(views):
+        n = sock.recvmsg_into(views[i : i + 1024], 0, socket.MSG_WAITALL)[0]
+        if n == 0:
+            raise ConnectionError("peer closed the connection")
+        while n and i < len(views):
+            head = len(views[i])
+            if n >= head:
+                n -= head
+                i += 1
+            else:
+                views[i] = views[i][n:]
+                n = 0

@@ -61,7 +61,7 @@ class _Connection:
         self._send_lock = threading.Lock()  # whoever holds it sends (frame order = send order)
         self._queue: deque[_Frame] = deque()
         self._queued_payload = 0
-        self._pending: deque[_Frame] = deque()
+        self._trains: deque[list[_Frame]] = deque()  # sent, awaiting replies, in order
         self._ids = itertools.count(1)
         self.dead = False
         self.reason = ""
@@ -144,42 +144,43 @@ class _Connection:
             nbytes += frame.length
             if frame.op.op is P.Op.WRITE:
                 self._queued_payload -= frame.length
-        self._pending.extend(train)
+        self._trains.append(train)
+        self._cond.notify_all()  # the receiver waits for a train to expect
         return train
 
     def _send(self, train: list[_Frame]) -> None:
+        """One ``sendmsg``: headers packed side by side in one buffer, WRITE payloads between."""
+        size = P.REQUEST.size
+        heads = bytearray(size * len(train))
+        hview = memoryview(heads)
         bufs: list = []
+        run = 0  # start of the headers not yet listed
         last = len(train) - 1
         for i, f in enumerate(train):
             flags = P.FLAG_END if i == last else 0
-            bufs.append(P.REQUEST.pack(f.op.op, flags, 0, f.seg_id, f.req_id, f.offset, f.length))
+            P.REQUEST.pack_into(
+                heads, i * size, f.op.op, flags, 0, f.seg_id, f.req_id, f.offset, f.length
+            )
             if f.op.op is P.Op.WRITE:
+                bufs.append(hview[run : (i + 1) * size])
                 bufs.append(f.local)
+                run = (i + 1) * size
+        if run < len(heads):
+            bufs.append(hview[run:])
         P.sendmsg_all(self.sock, bufs)
 
     def _recv_loop(self) -> None:
-        head = bytearray(P.RESPONSE.size)
-        hview = memoryview(head)
         try:
             while True:
-                P.recv_exact(self.sock, hview)
-                status, op, _, _, req_id, length = P.RESPONSE.unpack(head)
-                with self._cond:  # stays pending until fully received (or failed with it)
-                    frame = self._pending[0] if self._pending else None
-                if frame is None or frame.req_id != req_id or op != frame.op.op:
-                    raise P.FrameError(f"unexpected response for request {req_id}")
-                error = None
-                if status == P.Status.OK:
-                    want = frame.length if op == P.Op.READ else 0
-                    if length != want:
-                        raise P.FrameError(f"response length {length}, expected {want}")
-                    if want:
-                        P.recv_exact(self.sock, frame.local)
-                else:
-                    error = _status_error(status, frame)
                 with self._cond:
-                    self._pending.popleft()
-                frame.op.frame_done(0 if error else frame.length, error)
+                    while not self._trains and not self.dead:
+                        self._cond.wait()
+                    if self.dead:
+                        return
+                    train = self._trains[0]  # stays listed until received (or failed with it)
+                self._receive_train(train)
+                with self._cond:
+                    self._trains.popleft()
         except (OSError, ConnectionError) as exc:
             self.abort(str(exc) or type(exc).__name__)
         except Exception as exc:  # a malformed response (or a bug): drop this connection
@@ -189,11 +190,31 @@ class _Connection:
             self._fail_all()
             self.sock.close()
 
+    def _receive_train(self, train: list[_Frame]) -> None:
+        """Every reply of a train in one scatter read (replies have predictable sizes: a READ
+        reply always carries ``length`` bytes), READ payloads straight into their buffers."""
+        heads = memoryview(bytearray(P.RESPONSE.size * len(train)))
+        views: list[memoryview] = []
+        for i, frame in enumerate(train):
+            views.append(heads[i * P.RESPONSE.size : (i + 1) * P.RESPONSE.size])
+            if frame.op.op is P.Op.READ:
+                views.append(frame.local)
+        P.recvmsg_exact(self.sock, views)
+        results = []
+        for i, frame in enumerate(train):
+            status, op, _, _, req_id, length = P.RESPONSE.unpack_from(heads, i * P.RESPONSE.size)
+            want = frame.length if op == P.Op.READ else 0
+            if frame.req_id != req_id or op != frame.op.op or length != want:
+                raise P.FrameError(f"unexpected reply (request {req_id}, length {length})")
+            results.append(None if status == P.Status.OK else _status_error(status, frame))
+        for frame, error in zip(train, results, strict=True):
+            frame.op.frame_done(0 if error else frame.length, error)
+
     def _fail_all(self) -> None:
         with self._cond:
             self.dead = True
-            frames = list(self._pending) + list(self._queue)
-            self._pending.clear()
+            frames = [f for train in self._trains for f in train] + list(self._queue)
+            self._trains.clear()
             self._queue.clear()
         self._sender.join(timeout=10)  # senders must stop reading WRITE buffers first
         if self._send_lock.acquire(timeout=10):

@@ -142,18 +142,19 @@ class TransferServer:
                 else:
                     reader.skip(length)
                 out.append(P.RESPONSE.pack(status, op, 0, 0, req_id, 0))
-            elif status == P.Status.OK:
+            else:  # a READ reply always carries `length` bytes: zeros when refused
                 out.append(P.RESPONSE.pack(status, op, 0, 0, req_id, length))
-                out.append(seg.view[offset : offset + length])
+                if status == P.Status.OK:
+                    out.append(seg.view[offset : offset + length])
+                    served["read"] += length
+                else:
+                    out.extend(_zeros(length))
                 out_bytes += length
-                served["read"] += length
-            else:
-                out.append(P.RESPONSE.pack(status, op, 0, 0, req_id, 0))
             if flags & P.FLAG_END or len(out) >= FLUSH_FRAMES or out_bytes >= FLUSH_BYTES:
+                self._stats.served_batch(served)  # before replying: a peer may read stats next
                 P.sendmsg_all(conn, out)
                 out.clear()
                 out_bytes = 0
-                self._stats.served_batch(served)
 
 
 class _Reader:
@@ -197,6 +198,15 @@ class _Reader:
         self.start += have
         if length > have:
             _drain(self.conn, length - have)
+
+
+_ZERO = memoryview(bytes(1 << 20))
+
+
+def _zeros(length: int) -> list[memoryview]:
+    """``length`` zero bytes as views of one shared buffer (payload of a refused READ)."""
+    full, rest = divmod(length, len(_ZERO))
+    return [_ZERO] * full + ([_ZERO[:rest]] if rest else [])
 
 
 def _drain(conn: socket.socket, length: int) -> None:
