@@ -197,3 +197,15 @@ def test_auto_picks_shm_for_same_host_and_tcp_for_plain_memory(
     stats = te.stats.snapshot()
     assert stats.bytes[("shm", "read")] == MiB
     assert stats.bytes[("tcp", "read")] == MiB
+
+
+def test_repeated_striped_writes_never_lose_a_frame(peer_factory, engine_factory, metadata):
+    """Large WRITEs go through the sender threads of two connections (a lost wake-up once
+    stranded frames here until their deadline)."""
+    peer = peer_factory("peer-h/kv", 16 * MiB, "--no-shm")
+    te = engine_factory(directory=metadata.url, transport="tcp", request_timeout=10)
+    for i in range(40):
+        data = np.full(16 * MiB, i % 251, dtype=np.uint8)
+        te.write(data, "peer-h/kv")
+    assert peer.digest(0, 16 * MiB) == digest(np.full(16 * MiB, 39, dtype=np.uint8))
+    assert te.stats.snapshot().errors == {}

@@ -57,7 +57,7 @@ class _Connection:
         self.sock = sock
         self.peer = peer
         self.inline_bytes = inline_bytes
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # sender and receiver both wait on it: notify_all
         self._send_lock = threading.Lock()  # whoever holds it sends (frame order = send order)
         self._queue: deque[_Frame] = deque()
         self._queued_payload = 0
@@ -86,7 +86,7 @@ class _Connection:
             self._queued_payload += payload
             small = self._queued_payload <= self.inline_bytes
             if not small:
-                self._cond.notify()
+                self._cond.notify_all()
         if small and self._send_lock.acquire(blocking=False):
             try:
                 self._drain()
@@ -96,10 +96,10 @@ class _Connection:
                 self._send_lock.release()
             with self._cond:
                 if self._queue:  # raced with another submitter: the sender takes over
-                    self._cond.notify()
+                    self._cond.notify_all()
         elif small:
             with self._cond:
-                self._cond.notify()
+                self._cond.notify_all()
         return True
 
     def abort(self, reason: str) -> None:
