@@ -77,13 +77,26 @@ def timed(fn: Callable[[], int], seconds: float, max_reps: int = 100_000) -> flo
     return moved / (time.perf_counter() - t0) / 1e9
 
 
-def rounds(pairs: dict[str, Callable[[], float]], n: int) -> dict[str, float]:
-    """Run each measurement ``n`` times, interleaved; the median of each."""
-    samples: dict[str, list[float]] = {k: [] for k in pairs}
+def duel(
+    res: Results,
+    key: str,
+    ours: tuple[str, Callable[[], int]],
+    base: tuple[str, Callable[[], int]],
+    seconds: float,
+    n: int,
+) -> float:
+    """Alternate ours and the baseline for ``n`` short rounds; record each one's median GB/s
+    and the median of the per-round ratios (pairs taken close in time cancel the drift of this
+    machine's speed). Returns our median GB/s."""
+    mine, theirs = [], []
     for _ in range(n):
-        for key, fn in pairs.items():
-            samples[key].append(fn())
-    return {k: statistics.median(v) for k, v in samples.items()}
+        theirs.append(timed(base[1], seconds))
+        mine.append(timed(ours[1], seconds))
+    res.figure(base[0], statistics.median(theirs))
+    res.figure(ours[0], statistics.median(mine))
+    ratios = [m / t for m, t in zip(mine, theirs, strict=True)]
+    res.ratio(key, statistics.median(ratios), 1.0)
+    return statistics.median(mine)
 
 
 class SocketBaseline:
@@ -138,7 +151,7 @@ def batch_fn(te: TransferEngine, buf: np.ndarray, remote: str, n: int, size: int
     return run
 
 
-def bench_shm(res: Results, te: TransferEngine, seconds: float, n_rounds: int) -> None:
+def bench_shm(res: Results, te: TransferEngine, seconds: float, n: int) -> None:
     log("shared memory: numpy memcpy vs our shm READ from another process")
     src = np.random.default_rng(0).integers(0, 256, SEGMENT, dtype=np.uint8)
     dst = np.zeros(SEGMENT, dtype=np.uint8)
@@ -149,26 +162,14 @@ def bench_shm(res: Results, te: TransferEngine, seconds: float, n_rounds: int) -
             return size
 
         ours = batch_fn(te, dst, "bench/shm", 1, size)
-        med = rounds(
-            {
-                "memcpy": lambda memcpy=memcpy: timed(memcpy, seconds),
-                "shm": lambda ours=ours: timed(ours, seconds),
-            },
-            n_rounds,
-        )
-        res.figure(f"memcpy_GBps_{label}", med["memcpy"])
-        res.figure(f"shm_read_GBps_{label}", med["shm"])
-        res.ratio(f"shm_vs_memcpy_{label}", med["shm"], med["memcpy"])
-    batch = batch_fn(te, dst, "bench/shm", 64, 64 * KiB)
-    single = batch_fn(te, dst, "bench/shm", 1, 4 * MiB)
-    med = rounds(
-        {"b": lambda: timed(batch, seconds), "s": lambda: timed(single, seconds)}, n_rounds
-    )
-    res.figure("shm_batch64x64KiB_GBps", med["b"])
-    res.ratio("batch64x64KiB_vs_4MiB_shm", med["b"], med["s"])
+        mine = (f"shm_read_GBps_{label}", ours)
+        duel(res, f"shm_vs_memcpy_{label}", mine, (f"memcpy_GBps_{label}", memcpy), seconds, n)
+    batch = ("shm_batch64x64KiB_GBps", batch_fn(te, dst, "bench/shm", 64, 64 * KiB))
+    single = ("shm_read_GBps_4MiB_single", batch_fn(te, dst, "bench/shm", 1, 4 * MiB))
+    duel(res, "batch64x64KiB_vs_4MiB_shm", batch, single, seconds, n)
 
 
-def bench_tcp(res: Results, te: TransferEngine, seconds: float, n_rounds: int) -> dict:
+def bench_tcp(res: Results, te: TransferEngine, seconds: float, n: int) -> dict:
     log("TCP: plain Python socket pair vs our TCP READ from another process")
     base = SocketBaseline()
     dst = np.zeros(SEGMENT, dtype=np.uint8)
@@ -176,16 +177,9 @@ def bench_tcp(res: Results, te: TransferEngine, seconds: float, n_rounds: int) -
     ours_by_size = {}
     try:
         for label, size in SIZES.items():
-            ours = batch_fn(te, dst, "bench/tcp", 1, size)
-            pairs = {
-                "socket": lambda size=size: timed(lambda: base.read(view[:size]), seconds),
-                "tcp": lambda ours=ours: timed(ours, seconds),
-            }
-            med = rounds(pairs, n_rounds)
-            res.figure(f"socket_GBps_{label}", med["socket"])
-            res.figure(f"tcp_read_GBps_{label}", med["tcp"])
-            res.ratio(f"tcp_vs_socket_{label}", med["tcp"], med["socket"])
-            ours_by_size[size] = med["tcp"]
+            ours = (f"tcp_read_GBps_{label}", batch_fn(te, dst, "bench/tcp", 1, size))
+            sock = (f"socket_GBps_{label}", lambda size=size: base.read(view[:size]))
+            ours_by_size[size] = duel(res, f"tcp_vs_socket_{label}", ours, sock, seconds, n)
     finally:
         base.close()
     src = np.random.default_rng(1).integers(0, 256, 16 * MiB, dtype=np.uint8)
@@ -196,14 +190,9 @@ def bench_tcp(res: Results, te: TransferEngine, seconds: float, n_rounds: int) -
         return 16 * MiB
 
     res.figure("tcp_write_GBps_16MiB", timed(write16, seconds))
-    batch = batch_fn(te, dst, "bench/tcp", 64, 64 * KiB)
-    single = batch_fn(te, dst, "bench/tcp", 1, 4 * MiB)
-    med = rounds(
-        {"b": lambda: timed(batch, seconds), "s": lambda: timed(single, seconds)}, n_rounds
-    )
-    res.figure("tcp_batch64x64KiB_GBps", med["b"])
-    res.ratio("batch64x64KiB_vs_4MiB", med["b"], med["s"])
-    ours_by_size["batch"] = med["b"]
+    batch = ("tcp_batch64x64KiB_GBps", batch_fn(te, dst, "bench/tcp", 64, 64 * KiB))
+    single = ("tcp_read_GBps_4MiB_single", batch_fn(te, dst, "bench/tcp", 1, 4 * MiB))
+    ours_by_size["batch"] = duel(res, "batch64x64KiB_vs_4MiB", batch, single, seconds, n)
     return ours_by_size
 
 
@@ -267,7 +256,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=None, help="TCP connections per peer")
     ap.add_argument("--with-mooncake", action="store_true", help="also run Mooncake's engine")
     args = ap.parse_args()
-    seconds, n_rounds = (0.25, 3) if args.quick else (1.0, 5)
+    seconds, n_rounds = (0.1, 5) if args.quick else (0.3, 15)
     res = Results("bench_transfer", vars(args).copy())
     meta = MetadataServer()
     peers = [start_peer(meta.url, "bench/shm"), start_peer(meta.url, "bench/tcp", "--no-shm")]

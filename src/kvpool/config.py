@@ -92,7 +92,7 @@ class TransferConfig:
     transport: str = "auto"  # auto: shared memory for same-host peers, TCP otherwise
     auth_token: str | None = None  # default: $KVPOOL_AUTH_TOKEN; required off loopback
     num_streams: int = 2  # TCP connections per peer that large requests are striped over
-    slice_bytes: int | str = "4MiB"  # large requests move as frames of at most this size
+    slice_bytes: int | str = "1MiB"  # large requests move as frames of at most this size
     max_inflight_bytes: int | str = "256MiB"  # per peer; submit waits (or raises) above it
     shm_inline_bytes: int | str = "64MiB"  # smaller shm batches are copied inside submit()
     tcp_inline_bytes: int | str = "1MiB"  # smaller TCP trains are sent by the submitting thread

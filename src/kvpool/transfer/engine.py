@@ -92,10 +92,12 @@ class _Reaper:
     """Cancels requests that pass their deadline (one thread per engine)."""
 
     def __init__(self, on_deadline) -> None:
-        self._heap: list[tuple[float, int, PendingOp]] = []
-        self._cond = threading.Condition()
+        # The heap holds (deadline, key) only; ops live in `_live` until they finish, so a
+        # finished op is freed at once (no long-lived garbage for the cyclic GC to walk).
+        self._heap: list[tuple[float, int]] = []
+        self._live: dict[int, PendingOp] = {}
+        self._cond = threading.Condition(threading.Lock())
         self._seq = 0
-        self._purge_at = 4096
         self._closed = False
         self._on_deadline = on_deadline
         self._thread = threading.Thread(
@@ -108,13 +110,20 @@ class _Reaper:
             earliest = self._heap[0][0] if self._heap else float("inf")
             for op in ops:
                 self._seq += 1
-                heapq.heappush(self._heap, (op.deadline, self._seq, op))
-            if len(self._heap) > self._purge_at:  # drop finished ops (amortized O(1))
-                self._heap = [e for e in self._heap if e[2].state is State.PENDING]
+                op.reaper_key = self._seq
+                self._live[self._seq] = op
+                heapq.heappush(self._heap, (op.deadline, self._seq))
+            if len(self._heap) > 4 * len(self._live) + 1024:  # drop stale keys (amortized)
+                self._heap = [e for e in self._heap if e[1] in self._live]
                 heapq.heapify(self._heap)
-                self._purge_at = max(4096, 2 * len(self._heap))
             if self._heap and self._heap[0][0] < earliest:  # wake it only to sleep less
                 self._cond.notify()
+
+    def discard(self, op: PendingOp) -> None:
+        """Forget a finished op (its heap key goes stale)."""
+        if op.reaper_key:
+            with self._cond:
+                self._live.pop(op.reaper_key, None)
 
     def close(self) -> None:
         with self._cond:
@@ -126,7 +135,7 @@ class _Reaper:
         while True:
             with self._cond:
                 while not self._closed:
-                    while self._heap and self._heap[0][2].state is not State.PENDING:
+                    while self._heap and self._heap[0][1] not in self._live:
                         heapq.heappop(self._heap)
                     delay = self._heap[0][0] - time.monotonic() if self._heap else None
                     if delay is not None and delay <= 0:
@@ -134,7 +143,7 @@ class _Reaper:
                     self._cond.wait(delay)
                 if self._closed:
                     return
-                op = heapq.heappop(self._heap)[2]
+                op = self._live.pop(heapq.heappop(self._heap)[1])
             self._on_deadline(op)
 
 
@@ -404,6 +413,7 @@ class TransferEngine:
             return limit
 
     def _finished(self, op: PendingOp) -> None:
+        self._reaper.discard(op)
         counted = op.limit is not None
         if counted:
             op.limit.release(op.length)

@@ -73,6 +73,7 @@ class PendingOp:
         "local",
         "on_finish",
         "op",
+        "reaper_key",
         "remote_offset",
         "started",
         "state",
@@ -102,6 +103,7 @@ class PendingOp:
         self.started = 0.0
         self.on_finish: Callable[[PendingOp], None] | None = None
         self.limit = None  # the engine's in-flight bound for this peer
+        self.reaper_key = 0  # set while the engine's reaper watches its deadline
         self._frames_left = 1
         self._error: KVPoolError | None = None
         if handle is None:
@@ -133,7 +135,9 @@ class PendingOp:
             self.state = State.DONE if ok else State.FAILED
         if self.on_finish is not None:
             self.on_finish(self)
-        self._handle._op_finished()
+        handle = self._handle
+        if handle is not None:
+            handle._op_finished()
 
     def fail(self, error: KVPoolError) -> None:
         """Resolve every remaining frame with ``error`` (no frame may still be running)."""
@@ -183,6 +187,8 @@ class BatchHandle:
             if self._left:
                 return
             event, callbacks, self._callbacks = self._event, self._callbacks, []
+        for op in self._ops:  # break the op <-> handle cycle: freed without the cyclic GC
+            op._handle = None
         if event is not None:
             event.set()
         for cb in callbacks:
