@@ -119,11 +119,13 @@ class _Reaper:
             if self._heap and self._heap[0][0] < earliest:  # wake it only to sleep less
                 self._cond.notify()
 
-    def discard(self, op: PendingOp) -> None:
-        """Forget a finished op (its heap key goes stale)."""
-        if op.reaper_key:
+    def discard(self, ops: list[PendingOp]) -> None:
+        """Forget finished ops (their heap keys go stale)."""
+        keys = [op.reaper_key for op in ops if op.reaper_key]
+        if keys:
             with self._cond:
-                self._live.pop(op.reaper_key, None)
+                for key in keys:
+                    self._live.pop(key, None)
 
     def close(self) -> None:
         with self._cond:
@@ -412,16 +414,28 @@ class TransferEngine:
                 limit = self._limits[owner] = _Inflight(int(self.config.max_inflight_bytes))
             return limit
 
-    def _finished(self, op: PendingOp) -> None:
-        self._reaper.discard(op)
-        counted = op.limit is not None
-        if counted:
-            op.limit.release(op.length)
-        if op.state is State.DONE:
-            direction = "read" if op.op is Op.READ else "write"
-            seconds = time.monotonic() - op.started
-            self.stats.finished(op.transport, direction, op.length, seconds, counted)
-            return
+    def _finished(self, ops: list[PendingOp]) -> None:
+        """Completion hook of finished ops: deadlines, in-flight room, stats (batched)."""
+        self._reaper.discard(ops)
+        releases: dict[int, list] = {}
+        now = time.monotonic()
+        done = []
+        for op in ops:
+            counted = op.limit is not None
+            if counted:
+                entry = releases.setdefault(id(op.limit), [op.limit, 0])
+                entry[1] += op.length
+            if op.state is State.DONE:
+                direction = "read" if op.op is Op.READ else "write"
+                done.append((op.transport, direction, op.length, now - op.started, counted))
+            else:
+                self._failed(op, counted)
+        for limit, n in releases.values():
+            limit.release(n)
+        if done:
+            self.stats.finished(done)
+
+    def _failed(self, op: PendingOp, counted: bool) -> None:
         if counted:
             self.stats.add_inflight(-op.length)
         err = op.error

@@ -101,7 +101,7 @@ class PendingOp:
         self.conns: list = []
         self.deadline = 0.0
         self.started = 0.0
-        self.on_finish: Callable[[PendingOp], None] | None = None
+        self.on_finish: Callable[[list[PendingOp]], None] | None = None
         self.limit = None  # the engine's in-flight bound for this peer
         self.reaper_key = 0  # set while the engine's reaper watches its deadline
         self._frames_left = 1
@@ -115,36 +115,38 @@ class PendingOp:
     def set_frames(self, n: int) -> None:
         self._frames_left = n
 
-    def frame_done(self, nbytes: int, error: KVPoolError | None = None) -> None:
-        """Resolve one frame (successfully when ``error`` is None)."""
+    def resolve(self, nbytes: int, error: KVPoolError | None = None) -> bool:
+        """Resolve one frame (successfully when ``error`` is None); True if that finished the
+        op, and the caller must then pass it to ``finish_ops`` (with others, to batch hooks)."""
         with self._lock:
             if self.state is not State.PENDING:
-                return
+                return False
             if error is None:
                 self.bytes_moved += nbytes
             elif self._error is None:
                 self._error = error
             self._frames_left -= 1
             if self._frames_left > 0:
-                return
+                return False
             if self.timed_out and (self._error is not None or self.bytes_moved < self.length):
                 self._error = KVPoolTimeoutError(f"transfer timed out ({self._describe()})")
             ok = self._error is None and self.bytes_moved == self.length
             if not ok and self._error is None:
                 self._error = TransferError(f"partial transfer ({self._describe()})")
             self.state = State.DONE if ok else State.FAILED
-        if self.on_finish is not None:
-            self.on_finish(self)
-        handle = self._handle
-        if handle is not None:
-            handle._op_finished()
+            return True
+
+    def frame_done(self, nbytes: int, error: KVPoolError | None = None) -> None:
+        """``resolve`` one frame and run the completion hooks if that finished the op."""
+        if self.resolve(nbytes, error):
+            finish_ops([self])
 
     def fail(self, error: KVPoolError) -> None:
         """Resolve every remaining frame with ``error`` (no frame may still be running)."""
         with self._lock:
             left = self._frames_left
-        for _ in range(left):
-            self.frame_done(0, error)
+        if any([self.resolve(0, error) for _ in range(left)]):
+            finish_ops([self])
 
     @property
     def error(self) -> KVPoolError | None:
@@ -158,6 +160,30 @@ class PendingOp:
             f"{self.op.name} {self.length} B at {self.desc.name}+{self.remote_offset} "
             f"via {self.transport or '?'}, {self.bytes_moved} B moved"
         )
+
+
+def finish_ops(ops: list[PendingOp]) -> None:
+    """Completion hooks of ops that just finished: the engine's once per hook, each batch's
+    counter once per handle (a train of replies costs a few lock round trips, not one per op)."""
+    hook = ops[0].on_finish
+    if all(op.on_finish is hook for op in ops):
+        if hook is not None:
+            hook(ops)
+    else:
+        for op in ops:
+            if op.on_finish is not None:
+                op.on_finish([op])
+    counts: dict[int, list] = {}
+    for op in ops:
+        handle = op._handle
+        if handle is not None:
+            entry = counts.get(id(handle))
+            if entry is None:
+                counts[id(handle)] = [handle, 1]
+            else:
+                entry[1] += 1
+    for handle, n in counts.values():
+        handle._ops_finished(n)
 
 
 def _call_safely(fn: Callable[[BatchHandle], None], handle: BatchHandle) -> None:
@@ -181,9 +207,9 @@ class BatchHandle:
         self._ops.append(op)
         self._left += 1
 
-    def _op_finished(self) -> None:
+    def _ops_finished(self, n: int) -> None:
         with self._lock:
-            self._left -= 1
+            self._left -= n
             if self._left:
                 return
             event, callbacks, self._callbacks = self._event, self._callbacks, []

@@ -42,17 +42,18 @@ class TransferStats:
     inflight_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def finished(
-        self, transport: str, direction: str, nbytes: int, seconds: float, inflight: bool = True
-    ) -> None:
-        """A request completed: count it (and take its bytes out of the in-flight total)."""
+    def finished(self, entries: list[tuple[str, str, int, float, bool]]) -> None:
+        """Requests completed, as ``(transport, direction, bytes, seconds, in_flight)``: count
+        them (and take in-flight ones out of the in-flight total), under one lock."""
         with self._lock:
-            self.bytes[(transport, direction)] += nbytes
-            self.requests[(transport, direction)] += 1
-            self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-            self.latency_sum += seconds
-            if inflight:
-                self.inflight_bytes -= nbytes
+            for transport, direction, nbytes, seconds, inflight in entries:
+                key = (transport, direction)
+                self.bytes[key] += nbytes
+                self.requests[key] += 1
+                self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+                self.latency_sum += seconds
+                if inflight:
+                    self.inflight_bytes -= nbytes
 
     def error(self, kind: str) -> None:
         with self._lock:

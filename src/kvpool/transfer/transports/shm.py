@@ -18,7 +18,7 @@ import numpy as np
 
 from kvpool.common.errors import KVPoolTimeoutError, TransferError
 from kvpool.transfer.protocol import Op
-from kvpool.transfer.request import PendingOp
+from kvpool.transfer.request import PendingOp, finish_ops
 from kvpool.transfer.segment import SHM_DIR, SegmentDescriptor, SharedRegion, pid_alive
 from kvpool.transfer.transports.base import Transport, TransportContext, register_transport
 
@@ -105,6 +105,7 @@ class ShmTransport(Transport):
     def _finish(self, copied: list[PendingOp]) -> None:
         """Report copied ops done, unless their segment's owner died meanwhile."""
         alive: dict[int, bool] = {}
+        finished: list[PendingOp] = []
         for op in copied:
             pid = op.desc.pid
             if op.desc.owner_id != self.ctx.owner_id and pid not in alive:
@@ -112,8 +113,10 @@ class ShmTransport(Transport):
             if not alive.get(pid, True):
                 self.forget(op.desc)
                 op.fail(TransferError(f"owner of segment {op.desc.name} died during the copy"))
-            else:
-                op.frame_done(op.length)
+            elif op.resolve(op.length):
+                finished.append(op)
+        if finished:
+            finish_ops(finished)
 
     def _remote_array(self, desc: SegmentDescriptor) -> np.ndarray:
         if desc.owner_id == self.ctx.owner_id:

@@ -27,7 +27,7 @@ from kvpool.common.errors import (
     TransferError,
 )
 from kvpool.transfer import protocol as P
-from kvpool.transfer.request import PendingOp
+from kvpool.transfer.request import PendingOp, finish_ops
 from kvpool.transfer.segment import SegmentDescriptor
 from kvpool.transfer.transports.base import Transport, TransportContext, register_transport
 
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 TRAIN_FRAMES = 512
 TRAIN_BYTES = 32 << 20
-CHUNK_FRAMES = 16
+CHUNK_FRAMES = 32
 
 
 class _Frame:
@@ -207,8 +207,13 @@ class _Connection:
             if frame.req_id != req_id or op != frame.op.op or length != want:
                 raise P.FrameError(f"unexpected reply (request {req_id}, length {length})")
             results.append(None if status == P.Status.OK else _status_error(status, frame))
-        for frame, error in zip(train, results, strict=True):
-            frame.op.frame_done(0 if error else frame.length, error)
+        finished = [
+            frame.op
+            for frame, error in zip(train, results, strict=True)
+            if frame.op.resolve(0 if error else frame.length, error)
+        ]
+        if finished:
+            finish_ops(finished)
 
     def _fail_all(self) -> None:
         with self._cond:
@@ -220,8 +225,9 @@ class _Connection:
         if self._send_lock.acquire(timeout=10):
             self._send_lock.release()
         err = TransferError(f"connection to {self.peer} lost: {self.reason}")
-        for frame in frames:
-            frame.op.frame_done(0, err)
+        finished = [frame.op for frame in frames if frame.op.resolve(0, err)]
+        if finished:
+            finish_ops(finished)
 
 
 def _status_error(status: int, frame: _Frame) -> Exception:
@@ -249,8 +255,10 @@ class TcpTransport(Transport):
         frames = self._slice(ops)
         peer = (ops[0].desc.host, ops[0].desc.port)
         budget = min(op.deadline for op in ops) - time.monotonic()
+        sliced = len(frames) - len(ops)  # > 0 when large requests were cut into frames
+        want = min(self.ctx.config.num_streams, max(1, sliced + 1))
         try:
-            conns = self._connections(peer, sum(op.length for op in ops), budget)
+            conns = self._connections(peer, want, budget)
         except (OSError, TransferError) as exc:
             self.ctx.stats.error("connect")
             err: KVPoolError = TransferError(
@@ -261,10 +269,13 @@ class TcpTransport(Transport):
             for op in ops:
                 op.fail(err)
             return
+        # Frames of large (sliced) requests are striped over the connections; whole small
+        # requests stay together on one connection, so they travel as one train.
         per_conn: list[list[_Frame]] = [[] for _ in conns]
         start = next(self._rr)
+        home = start % len(conns)
         for i, frame in enumerate(frames):
-            k = (start + i) % len(conns)
+            k = (start + i) % len(conns) if frame.length < frame.op.length else home
             per_conn[k].append(frame)
             if not frame.op.conns or frame.op.conns[-1] is not conns[k]:
                 frame.op.conns.append(conns[k])
@@ -310,11 +321,9 @@ class TcpTransport(Transport):
                 frames.append(_Frame(op, op.local[a : a + step], op.remote_offset + a))
         return frames
 
-    def _connections(self, peer: tuple[str, int], nbytes: int, budget: float) -> list[_Connection]:
-        """Live connections to ``peer``: as many as the batch can use, up to ``num_streams``
-        (dialing within ``budget`` seconds; with one live connection, a failed extra dial
-        just means less striping)."""
-        want = min(self.ctx.config.num_streams, max(1, -(-nbytes // self.ctx.config.slice_bytes)))
+    def _connections(self, peer: tuple[str, int], want: int, budget: float) -> list[_Connection]:
+        """``want`` live connections to ``peer`` (dialing within ``budget`` seconds; with one
+        live connection, a failed extra dial just means less striping)."""
         with self._lock:
             conns = [c for c in self._pools.get(peer, []) if not c.dead]
             self._pools[peer] = conns
