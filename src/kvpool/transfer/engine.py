@@ -14,12 +14,14 @@ same host, TCP otherwise), a bound on in-flight bytes and a deadline per request
 from __future__ import annotations
 
 import asyncio
+import atexit
 import heapq
 import logging
 import socket
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterable
 
 import numpy as np
@@ -177,6 +179,7 @@ class TransferEngine:
         self._transports: dict[str, Transport] = {n: cls(ctx) for n, cls in TRANSPORTS.items()}
         self._reaper = _Reaper(self._on_deadline)
         self._closed = False
+        _LIVE.add(self)
 
     # -- segments ---------------------------------------------------------------------------
 
@@ -478,6 +481,19 @@ class TransferEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_LIVE: weakref.WeakSet[TransferEngine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """At interpreter exit: withdraw descriptors and remove this process's shm files."""
+    for engine in list(_LIVE):
+        try:
+            engine.close()
+        except Exception:  # exiting anyway: never mask the real exit status
+            logger.debug("transfer: closing an engine at exit failed", exc_info=True)
 
 
 def _parse_op(value: object) -> Op:
