@@ -143,9 +143,7 @@ def batch_fn(te: TransferEngine, buf: np.ndarray, remote: str, n: int, size: int
     ]
 
     def run() -> int:
-        handle = te.submit(reqs)
-        handle.wait()
-        handle.raise_for_status()
+        te.transfer(reqs)  # submit + wait; raises on any failure
         return n * size
 
     return run

@@ -295,12 +295,19 @@ class TransferEngine:
         """Start a batch; returns at once with a handle (or waits for in-flight room when
         ``block``; raises ``BackpressureError`` when not ``block`` and a peer is saturated).
         ``timeout`` is each request's deadline in seconds (default ``request_timeout``)."""
+        return self._submit(requests, block, timeout, sync=False)
+
+    def _submit(
+        self, requests: Iterable[TransferRequest], block: bool, timeout: float | None, sync: bool
+    ) -> BatchHandle:
         if self._closed:
             raise TransferError("transfer engine is closed")
         views: dict[tuple[int, bool], memoryview] = {}  # one view per local buffer per batch
         handle = BatchHandle()
         for r in requests:
-            handle._add(self._prepare(r, views, handle))
+            op = self._prepare(r, views, handle)
+            op.sync = sync
+            handle._add(op)
         groups = self._group(handle._ops)
         deadline_s = timeout if timeout is not None else self.config.request_timeout
         self._admit(groups, block, deadline_s)
@@ -353,8 +360,12 @@ class TransferEngine:
     def transfer(
         self, requests: Iterable[TransferRequest], timeout: float | None = None
     ) -> list[TransferStatus]:
-        """Submit and wait; raise the first failure (a ``KVPoolError``)."""
-        handle = self.submit(requests, timeout=timeout)
+        """Submit and wait; raise the first failure (a ``KVPoolError``). The calling thread
+        receives its own replies where it can (fewer thread hand-offs than submit + wait)."""
+        handle = self._submit(requests, True, timeout, sync=True)
+        if not handle.done():
+            for name in {op.transport for op in handle._ops}:
+                self._transports[name].drive(handle)
         statuses = handle.wait()
         handle.raise_for_status()
         return statuses

@@ -77,6 +77,7 @@ class PendingOp:
         "remote_offset",
         "started",
         "state",
+        "sync",
         "timed_out",
         "transport",
     )
@@ -104,6 +105,7 @@ class PendingOp:
         self.on_finish: Callable[[list[PendingOp]], None] | None = None
         self.limit = None  # the engine's in-flight bound for this peer
         self.reaper_key = 0  # set while the engine's reaper watches its deadline
+        self.sync = False  # its submitter waits right away (and may receive replies itself)
         self._frames_left = 1
         self._error: KVPoolError | None = None
         if handle is None:

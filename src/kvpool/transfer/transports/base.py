@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpool.config import TransferConfig
-from kvpool.transfer.request import PendingOp
+from kvpool.transfer.request import BatchHandle, PendingOp
 from kvpool.transfer.segment import Segment, SegmentDescriptor
 from kvpool.transfer.stats import TransferStats
 
@@ -48,6 +48,9 @@ class Transport(ABC):
     def is_inline(self, nbytes: int) -> bool:
         """Whether a batch of ``nbytes`` completes inside ``submit`` (no in-flight tracking)."""
         return False
+
+    def drive(self, handle: BatchHandle) -> None:  # noqa: B027 - optional
+        """Let a thread about to wait for ``handle`` do the transport's receiving itself."""
 
     def cancel(self, op: PendingOp) -> None:  # noqa: B027 - optional
         """Stop an op that missed its deadline; it must still resolve (as failed) soon."""
