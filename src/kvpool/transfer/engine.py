@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import heapq
 import logging
 import socket
 import threading
@@ -24,10 +23,7 @@ import uuid
 import weakref
 from collections.abc import Iterable
 
-import numpy as np
-
 from kvpool.common.errors import (
-    AlreadyExistsError,
     BackpressureError,
     BadRequestError,
     KVPoolTimeoutError,
@@ -36,17 +32,16 @@ from kvpool.common.errors import (
 )
 from kvpool.config import TransferConfig
 from kvpool.transfer import transports as _transports  # noqa: F401 - registers shm and tcp
+from kvpool.transfer.flow import Inflight, Reaper
 from kvpool.transfer.metadata import SegmentDirectory, open_directory
 from kvpool.transfer.protocol import Op
+from kvpool.transfer.registry import SegmentRegistry
 from kvpool.transfer.request import BatchHandle, PendingOp, State, TransferRequest, TransferStatus
 from kvpool.transfer.segment import (
     Segment,
     SegmentDescriptor,
-    SharedRegion,
     boot_id,
     byte_view,
-    new_shm_name,
-    pid_alive,
     reap_stale_shm,
 )
 from kvpool.transfer.stats import TransferStats
@@ -54,101 +49,6 @@ from kvpool.transfer.transports.base import TRANSPORTS, Transport, TransportCont
 from kvpool.transfer.transports.tcp_server import TransferServer
 
 logger = logging.getLogger(__name__)
-
-
-class _Inflight:
-    """Bytes in flight to one peer, bounded (a single oversized batch may pass when idle)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self.waiters = 0
-        self._cond = threading.Condition(threading.Lock())
-
-    def acquire(self, n: int, block: bool, timeout: float, peer: str) -> None:
-        with self._cond:
-            ok = self.used == 0 or self.used + n <= self.limit
-            if not ok and block:
-                self.waiters += 1
-                try:
-                    ok = self._cond.wait_for(
-                        lambda: self.used == 0 or self.used + n <= self.limit, timeout
-                    )
-                finally:
-                    self.waiters -= 1
-            if not ok:
-                raise BackpressureError(
-                    f"{self.used} bytes already in flight to {peer} (limit {self.limit}); "
-                    f"{n} more would exceed it"
-                )
-            self.used += n
-
-    def release(self, n: int) -> None:
-        with self._cond:
-            self.used -= n
-            if self.waiters:
-                self._cond.notify_all()
-
-
-class _Reaper:
-    """Cancels requests that pass their deadline (one thread per engine)."""
-
-    def __init__(self, on_deadline) -> None:
-        # The heap holds (deadline, key) only; ops live in `_live` until they finish, so a
-        # finished op is freed at once (no long-lived garbage for the cyclic GC to walk).
-        self._heap: list[tuple[float, int]] = []
-        self._live: dict[int, PendingOp] = {}
-        self._cond = threading.Condition(threading.Lock())
-        self._seq = 0
-        self._closed = False
-        self._on_deadline = on_deadline
-        self._thread = threading.Thread(
-            target=self._run, name="kvpool-transfer-reaper", daemon=True
-        )
-        self._thread.start()
-
-    def add(self, ops: list[PendingOp]) -> None:
-        with self._cond:
-            earliest = self._heap[0][0] if self._heap else float("inf")
-            for op in ops:
-                self._seq += 1
-                op.reaper_key = self._seq
-                self._live[self._seq] = op
-                heapq.heappush(self._heap, (op.deadline, self._seq))
-            if len(self._heap) > 4 * len(self._live) + 1024:  # drop stale keys (amortized)
-                self._heap = [e for e in self._heap if e[1] in self._live]
-                heapq.heapify(self._heap)
-            if self._heap and self._heap[0][0] < earliest:  # wake it only to sleep less
-                self._cond.notify()
-
-    def discard(self, ops: list[PendingOp]) -> None:
-        """Forget finished ops (their heap keys go stale)."""
-        keys = [op.reaper_key for op in ops if op.reaper_key]
-        if keys:
-            with self._cond:
-                for key in keys:
-                    self._live.pop(key, None)
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._closed:
-                    while self._heap and self._heap[0][1] not in self._live:
-                        heapq.heappop(self._heap)
-                    delay = self._heap[0][0] - time.monotonic() if self._heap else None
-                    if delay is not None and delay <= 0:
-                        break
-                    self._cond.wait(delay)
-                if self._closed:
-                    return
-                op = self._live.pop(heapq.heappop(self._heap)[1])
-            self._on_deadline(op)
 
 
 class TransferEngine:
@@ -162,116 +62,40 @@ class TransferEngine:
         self.owner_id = uuid.uuid4().hex
         self.stats = TransferStats()
         self._lock = threading.Lock()
-        self._by_id: dict[int, Segment] = {}
-        self._by_name: dict[str, Segment] = {}
-        self._next_id = 1
         self._descs: dict[str, SegmentDescriptor] = {}
         self._picks: dict[tuple[str, str], str] = {}  # (segment, mode) -> transport
-        self._limits: dict[str, _Inflight] = {}
+        self._limits: dict[str, Inflight] = {}
         reap_stale_shm()
         self.directory = directory or open_directory(cfg.directory, cfg.segment_ttl, cfg.auth_token)
-        self._server = TransferServer(self._local, cfg.host, cfg.port, cfg.auth_token, self.stats)
+        self.segments = SegmentRegistry(self.directory, self.owner_id)
+        self._server = TransferServer(
+            self.segments.by_id, cfg.host, cfg.port, cfg.auth_token, self.stats
+        )
         self.host = cfg.advertise_host or (
             socket.gethostname() if cfg.host in ("0.0.0.0", "::", "") else cfg.host
         )
         self.port = self._server.port
-        ctx = TransportContext(cfg, self.stats, self.owner_id, boot_id(), self._local)
+        self.segments.address = (self.host, self.port)
+        ctx = TransportContext(cfg, self.stats, self.owner_id, boot_id(), self.segments.by_id)
         self._transports: dict[str, Transport] = {n: cls(ctx) for n, cls in TRANSPORTS.items()}
-        self._reaper = _Reaper(self._on_deadline)
+        self._reaper = Reaper(self._on_deadline)
         self._closed = False
         _LIVE.add(self)
 
-    # -- segments ---------------------------------------------------------------------------
+    # -- segments (owned by self.segments) ----------------------------------------------------
 
     def register(
         self, name: str, buffer: object = None, *, size: int | None = None, shared: bool = True
     ) -> Segment:
-        """Register memory under a cluster-wide ``name`` and publish it.
-
-        Without ``buffer``, allocates ``size`` bytes (in shared memory unless ``shared`` is
-        False, so same-host peers copy without sockets). With ``buffer`` (numpy array, CPU
-        tensor, bytearray...), registers that memory as is: peers reach it over TCP.
-        """
-        if not name or len(name) > 255 or "\0" in name:
-            raise BadRequestError("a segment name must be 1..255 characters, no NUL")
-        region = None
-        if buffer is None:
-            if size is None or size <= 0:
-                raise BadRequestError("register() needs a buffer or a size > 0")
-            if shared:
-                region = SharedRegion(new_shm_name(name), size, create=True)
-                view = memoryview(region.mmap)
-            else:
-                buffer = np.zeros(size, dtype=np.uint8)
-        if region is None:
-            view = byte_view(buffer, writable=True)
-            if len(view) == 0:
-                raise BadRequestError("cannot register an empty buffer")
-        with self._lock:
-            if name in self._by_name:
-                raise BadRequestError(f"segment {name!r} is already registered here")
-            seg = Segment(name, self._next_id, view, region, keep=buffer)
-            self._next_id += 1
-            self._by_id[seg.segment_id] = seg
-            self._by_name[name] = seg
-        try:
-            self._publish(self._descriptor(seg))
-        except BaseException:
-            self._drop(seg)
-            raise
-        return seg
-
-    def _publish(self, desc: SegmentDescriptor) -> None:
-        """Publish; take the name over if its previous owner is dead (a restarted worker)."""
-        try:
-            self.directory.publish(desc)
-            return
-        except AlreadyExistsError:
-            old = self.directory.lookup(desc.name)
-            if old is None or not owner_is_dead(old):
-                raise
-        logger.info("segment %s: previous owner %s is gone, taking over", desc.name, old.owner_id)
-        self.directory.evict(old)
-        self.directory.publish(desc)
+        """Register memory under a cluster-wide ``name`` and publish it (see
+        ``SegmentRegistry.register``)."""
+        return self.segments.register(name, buffer, size=size, shared=shared)
 
     def unregister(self, name: str) -> None:
-        with self._lock:
-            seg = self._by_name.get(name)
-        if seg is None:
-            raise NotFoundError(f"segment {name!r} is not registered here")
-        self.directory.withdraw(name)
-        self._drop(seg)
+        self.segments.unregister(name)
 
     def segment(self, name: str) -> Segment:
-        with self._lock:
-            seg = self._by_name.get(name)
-        if seg is None:
-            raise NotFoundError(f"segment {name!r} is not registered here")
-        return seg
-
-    def _drop(self, seg: Segment) -> None:
-        with self._lock:
-            self._by_id.pop(seg.segment_id, None)
-            self._by_name.pop(seg.name, None)
-        seg.close()
-
-    def _local(self, segment_id: int) -> Segment | None:
-        return self._by_id.get(segment_id)
-
-    def _descriptor(self, seg: Segment) -> SegmentDescriptor:
-        import os
-
-        return SegmentDescriptor(
-            name=seg.name,
-            size=seg.size,
-            host=self.host,
-            port=self.port,
-            segment_id=seg.segment_id,
-            owner_id=self.owner_id,
-            pid=os.getpid(),
-            boot_id=boot_id(),
-            shm_name=seg.shm_name,
-        )
+        return self.segments.get(name)
 
     def resolve(self, name: str) -> SegmentDescriptor:
         """The descriptor of a segment anywhere in the cluster (cached until a failure)."""
@@ -338,7 +162,7 @@ class TransferEngine:
     ) -> None:
         """Take in-flight room per peer (all or nothing); groups the transport moves inline,
         within ``submit`` itself, never count as in flight."""
-        acquired: list[tuple[_Inflight, int]] = []
+        acquired: list[tuple[Inflight, int]] = []
         try:
             for transport, group in groups:
                 n = sum(op.length for op in group)
@@ -421,11 +245,11 @@ class TransferEngine:
             raise BadRequestError(f"segment {desc.name!r} is not reachable over {choice}")
         return choice
 
-    def _limit(self, owner: str) -> _Inflight:
+    def _limit(self, owner: str) -> Inflight:
         with self._lock:
             limit = self._limits.get(owner)
             if limit is None:
-                limit = self._limits[owner] = _Inflight(int(self.config.max_inflight_bytes))
+                limit = self._limits[owner] = Inflight(int(self.config.max_inflight_bytes))
             return limit
 
     def _finished(self, ops: list[PendingOp]) -> None:
@@ -482,10 +306,7 @@ class TransferEngine:
             transport.close()
         self._reaper.close()
         self.directory.close()
-        with self._lock:
-            segments = list(self._by_id.values())
-        for seg in segments:
-            self._drop(seg)
+        self.segments.close()
 
     def __enter__(self) -> TransferEngine:
         return self
@@ -512,20 +333,6 @@ def _parse_op(value: object) -> Op:
         return Op[value.upper()] if isinstance(value, str) else Op(value)
     except (KeyError, ValueError) as exc:
         raise BadRequestError(f"op must be READ or WRITE, got {value!r}") from exc
-
-
-def owner_is_dead(desc: SegmentDescriptor, timeout: float = 1.0) -> bool:
-    """Whether the process that published ``desc`` is gone (same host: its pid; otherwise its
-    transfer server refuses connections)."""
-    if desc.boot_id == boot_id():
-        return not pid_alive(desc.pid)
-    try:
-        socket.create_connection((desc.host, desc.port), timeout=timeout).close()
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False  # unreachable is not dead: a network problem must not steal names
-    return False
 
 
 _ERROR_KINDS = {"BadRequestError": "bounds", "NotFoundError": "not_found"}
