@@ -209,3 +209,46 @@ def test_repeated_striped_writes_never_lose_a_frame(peer_factory, engine_factory
         te.write(data, "peer-h/kv")
     assert peer.digest(0, 16 * MiB) == digest(np.full(16 * MiB, 39, dtype=np.uint8))
     assert te.stats.snapshot().errors == {}
+
+
+def test_sync_and_async_callers_share_connections(peer_factory, engine_factory, metadata):
+    """Synchronous calls read their own replies (reader role) while asynchronous batches on the
+    same connections are read by the receiver threads; every byte lands where it belongs."""
+    peer = peer_factory("peer-i/kv", 8 * MiB, "--no-shm")
+    peer.fill(4)
+    source = pattern(4, 8 * MiB)
+    te = engine_factory(directory=metadata.url, transport="tcp")
+    errors: list[str] = []
+
+    def sync_reader(k: int) -> None:
+        rng = np.random.default_rng(k)
+        for _ in range(30):
+            n = int(rng.integers(1, 256 * 1024))
+            off = int(rng.integers(0, 8 * MiB - n))
+            buf = np.zeros(n, np.uint8)
+            te.read(buf, "peer-i/kv", off, timeout=30)
+            if not np.array_equal(buf, source[off : off + n]):
+                errors.append(f"sync {k} at {off}+{n}")
+
+    def async_reader(k: int) -> None:
+        rng = np.random.default_rng(100 + k)
+        for _ in range(10):
+            bufs, reqs = [], []
+            for _ in range(8):
+                n = int(rng.integers(1, 3 * MiB))
+                off = int(rng.integers(0, 8 * MiB - n))
+                bufs.append((np.zeros(n, np.uint8), off))
+                reqs.append(TransferRequest(Op.READ, bufs[-1][0], "peer-i/kv", off))
+            statuses = te.submit(reqs, timeout=30).wait(60)
+            for (buf, off), status in zip(bufs, statuses, strict=True):
+                if not status.ok or not np.array_equal(buf, source[off : off + len(buf)]):
+                    errors.append(f"async {k} at {off}+{len(buf)}: {status.reason}")
+
+    threads = [threading.Thread(target=sync_reader, args=(k,)) for k in range(3)]
+    threads += [threading.Thread(target=async_reader, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
