@@ -128,3 +128,30 @@ class TransferConfig:
             raise ValueError(
                 f"binding {self.host} (not loopback) requires an auth token: set KVPOOL_AUTH_TOKEN"
             )
+
+
+@dataclass(slots=True)
+class MasterConfig:
+    """The store master's policies (DESIGN.md §3 store semantics)."""
+
+    replicas: int = 1  # default copies per object, each on a different node
+    high_watermark: float = 0.9  # eviction starts above this fraction of a tier's capacity
+    low_watermark: float = 0.8  # ... and frees down to this
+    lease_ttl: float = 10.0  # seconds a get protects an object from eviction and removal
+    put_timeout: float = 30.0  # a put not ended within this is revoked and its space reclaimed
+    node_ttl: float = 10.0  # a node silent for this long is dropped with its replicas
+    half_life: float = 60.0  # access-frequency decay (eviction heat)
+    cooldown: float = 5.0  # a just-moved object is not moved again before this
+    max_object_bytes: int | str = "256MiB"
+
+    def __post_init__(self) -> None:
+        self.max_object_bytes = parse_size(self.max_object_bytes)
+        if not 1 <= self.replicas <= 16:
+            raise ValueError("replicas must be in [1, 16]")
+        if not 0 < self.low_watermark < self.high_watermark <= 1:
+            raise ValueError("need 0 < low_watermark < high_watermark <= 1")
+        for name in ("lease_ttl", "put_timeout", "node_ttl", "half_life"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.cooldown < 0 or self.max_object_bytes < 1:
+            raise ValueError("cooldown must be >= 0 and max_object_bytes >= 1")

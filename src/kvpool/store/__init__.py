@@ -1,0 +1,6 @@
+"""The KV pool: a distributed KV-cache store (master, nodes, tiers, client)."""
+
+from kvpool.store.client import StoreClient
+from kvpool.store.embedded import EmbeddedStore
+
+__all__ = ["EmbeddedStore", "StoreClient"]

@@ -1,0 +1,88 @@
+"""``kvpool store master | node``: run the pool's processes (SIGINT/SIGTERM stop them cleanly)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+
+from kvpool.config import MasterConfig, TransferConfig, parse_size
+
+
+def _wait_for_signal() -> None:
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    done.wait()
+
+
+def _master(args: argparse.Namespace) -> int:
+    from kvpool.common.log import setup_logging
+    from kvpool.store.master.service import MasterService
+
+    setup_logging(args.log_level)
+    config = MasterConfig(
+        replicas=args.replicas,
+        high_watermark=args.high_watermark,
+        low_watermark=args.low_watermark,
+        lease_ttl=args.lease_ttl,
+        node_ttl=args.node_ttl,
+    )
+    service = MasterService(config)
+    try:
+        server = service.serve(args.host, args.port, os.environ.get("KVPOOL_AUTH_TOKEN") or None)
+    except (ValueError, OSError) as exc:
+        print(f"kvpool store master: {exc}", file=sys.stderr)
+        service.close()
+        return 1
+    print(json.dumps({"ready": True, "address": server.address}), flush=True)
+    _wait_for_signal()
+    server.close()
+    service.close()
+    return 0
+
+
+def _node(args: argparse.Namespace) -> int:
+    from kvpool.common.errors import KVPoolError
+    from kvpool.common.log import setup_logging
+    from kvpool.store.node import StorageNode
+
+    setup_logging(args.log_level)
+    node_id = args.node_id or f"{socket.gethostname()}-{os.getpid()}"
+    try:
+        transfer = TransferConfig(host=args.host, directory=args.directory)
+        node = StorageNode(node_id, args.master, parse_size(args.memory), transfer)
+    except (ValueError, OSError, KVPoolError) as exc:
+        print(f"kvpool store node: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps({"ready": True, "node_id": node_id, "segment": node.segment_name}), flush=True)
+    _wait_for_signal()
+    node.close()
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("store", help="the distributed KV-cache pool")
+    sub = p.add_subparsers(dest="store_command", metavar="ROLE", required=True)
+    m = sub.add_parser("master", help="the metadata master")
+    m.add_argument("--host", default="127.0.0.1")
+    m.add_argument("--port", type=int, default=50051)
+    m.add_argument("--replicas", type=int, default=1)
+    m.add_argument("--high-watermark", type=float, default=0.9)
+    m.add_argument("--low-watermark", type=float, default=0.8)
+    m.add_argument("--lease-ttl", type=float, default=10.0)
+    m.add_argument("--node-ttl", type=float, default=10.0)
+    m.add_argument("--log-level", default="info")
+    m.set_defaults(func=_master)
+    n = sub.add_parser("node", help="a storage node contributing memory")
+    n.add_argument("--master", required=True, help="HOST:PORT of the master")
+    n.add_argument("--memory", default="512MiB")
+    n.add_argument("--node-id", default=None)
+    n.add_argument("--host", default="127.0.0.1", help="where its transfer server binds")
+    n.add_argument("--directory", default="memory", help="segment directory URL")
+    n.add_argument("--log-level", default="info")
+    n.set_defaults(func=_node)

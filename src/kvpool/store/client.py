@@ -1,0 +1,199 @@
+"""The store client: metadata from the master over RPC, bytes through the transfer engine.
+
+A put is two-phase: ``put_start`` (the master allocates replicas), WRITE the bytes into every
+replica's segment, ``put_end`` with the value's checksum (or ``put_revoke`` if a write
+failed). A get asks the master (which grants a read lease), READs one replica straight into
+the destination, and verifies the checksum, trying the next replica on any failure: a get
+returns the bytes that were put, or raises ``NotFoundError``; never other bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import xxhash
+
+from kvpool.common.errors import KVPoolError, NotFoundError, TransferError
+from kvpool.common.rpc import RpcClient, error_from_body
+from kvpool.config import TransferConfig
+from kvpool.transfer import Op, TransferEngine, TransferRequest
+from kvpool.transfer.segment import byte_view
+
+logger = logging.getLogger(__name__)
+
+
+def checksum(view) -> int:
+    return xxhash.xxh64_intdigest(view)
+
+
+class StoreClient:
+    """Pythonic access to the pool: put/get (+ zero-copy ``put_from``/``get_into``) and batches."""
+
+    def __init__(
+        self,
+        master: str,
+        transfer: TransferEngine | TransferConfig | None = None,
+        token: str | None = None,
+        timeout: float = 10.0,
+    ) -> None:
+        self._own_engine = not isinstance(transfer, TransferEngine)
+        self.engine = transfer if isinstance(transfer, TransferEngine) else TransferEngine(transfer)
+        self.master = RpcClient(master, token=token, timeout=timeout)
+        self.timeout = timeout
+
+    # -- single ---------------------------------------------------------------------------------
+
+    def put(self, key: str, value, replicas: int | None = None) -> None:
+        """Store ``value`` (bytes, bytearray, memoryview, numpy array or CPU tensor) under
+        ``key``; ``AlreadyExistsError`` if the key exists (objects are immutable)."""
+        view = byte_view(value, writable=False)
+        meta = self.master.call("put_start", key, len(view), replicas)
+        self._write(meta, view)
+        self.master.call("put_end", key, checksum(view))
+
+    put_from = put  # values are never copied on the way out: the engine sends from the buffer
+
+    def get(self, key: str) -> bytes:
+        """The value of ``key``; ``NotFoundError`` if it does not exist."""
+        meta = self.master.call("get", key)
+        buf = bytearray(meta["size"])
+        self._read(meta, memoryview(buf))
+        return bytes(buf)
+
+    def get_into(self, key: str, buffer) -> int:
+        """Read ``key`` straight into ``buffer`` (at least its size); the number of bytes."""
+        view = byte_view(buffer, writable=True)
+        meta = self.master.call("get", key)
+        if meta["size"] > len(view):
+            raise KVPoolError(f"buffer of {len(view)} bytes too small for {meta['size']}")
+        self._read(meta, view[: meta["size"]])
+        return meta["size"]
+
+    def get_size(self, key: str) -> int:
+        return int(self.master.call("get", key)["size"])
+
+    def exists(self, key: str) -> bool:
+        return bool(self.master.call("exists", key))
+
+    def batch_exists(self, keys: list[str]) -> list[bool]:
+        return list(self.master.call("batch_exists", keys))
+
+    def remove(self, key: str, force: bool = False) -> None:
+        self.master.call("remove", key, force)
+
+    def stats(self) -> dict:
+        return self.master.call("stats")
+
+    # -- batches --------------------------------------------------------------------------------
+
+    def batch_put(self, keys: list[str], values: list, replicas: int | None = None) -> list:
+        """Put many; per key None on success or the ``KVPoolError`` that stopped it."""
+        views = [byte_view(v, writable=False) for v in values]
+        metas = self.master.call(
+            "batch_put_start", [[k, len(v)] for k, v in zip(keys, views, strict=True)], replicas
+        )
+        results: list = [None] * len(keys)
+        reqs, owners = [], []
+        for i, (meta, view) in enumerate(zip(metas, views, strict=True)):
+            if "error" in meta:
+                results[i] = error_from_body(meta["error"])
+                continue
+            for r in meta["replicas"]:
+                reqs.append(TransferRequest(Op.WRITE, view, r["segment"], r["offset"]))
+                owners.append(i)
+        statuses = self.engine.submit(reqs, timeout=self.timeout).wait() if reqs else []
+        for i, status in zip(owners, statuses, strict=True):
+            if not status.ok and results[i] is None:
+                results[i] = status.error
+        ends = [[keys[i], checksum(views[i])] for i in range(len(keys)) if results[i] is None]
+        for i in range(len(keys)):
+            if results[i] is not None and "error" not in metas[i]:
+                self._revoke(keys[i])
+        if ends:
+            self.master.call("batch_put_end", ends)
+        return results
+
+    batch_put_from = batch_put
+
+    def batch_get(self, keys: list[str]) -> list[bytes | None]:
+        """Values of many keys (None for a missing one)."""
+        metas = self.master.call("batch_get", keys)
+        bufs = [bytearray(m["size"]) if m else None for m in metas]
+        ok = self._read_many(metas, [memoryview(b) if b is not None else None for b in bufs])
+        return [
+            bytes(b) if b is not None and good else None for b, good in zip(bufs, ok, strict=False)
+        ]
+
+    def batch_get_into(self, keys: list[str], buffers: list) -> list[int]:
+        """Read many straight into buffers; per key the size read, or -1 when missing."""
+        metas = self.master.call("batch_get", keys)
+        views = []
+        for meta, buf in zip(metas, buffers, strict=True):
+            view = byte_view(buf, writable=True)
+            views.append(view[: meta["size"]] if meta and meta["size"] <= len(view) else None)
+        ok = self._read_many(metas, views)
+        return [m["size"] if good else -1 for m, good in zip(metas, ok, strict=True)]
+
+    # -- data path ------------------------------------------------------------------------------
+
+    def _write(self, meta: dict, view: memoryview) -> None:
+        reqs = [
+            TransferRequest(Op.WRITE, view, r["segment"], r["offset"]) for r in meta["replicas"]
+        ]
+        try:
+            self.engine.transfer(reqs, timeout=self.timeout)
+        except KVPoolError:
+            self._revoke(meta["key"])
+            raise
+
+    def _revoke(self, key: str) -> None:
+        try:
+            self.master.call("put_revoke", key)
+        except KVPoolError as exc:  # it times out on the master anyway
+            logger.warning("store: revoking %s failed: %s", key, exc)
+
+    def _read(self, meta: dict, view: memoryview) -> None:
+        last: Exception | None = None
+        for r in meta["replicas"]:
+            try:
+                self.engine.transfer([TransferRequest(Op.READ, view, r["segment"], r["offset"])])
+            except KVPoolError as exc:
+                last = exc
+                continue
+            if meta["checksum"] is None or checksum(view) == meta["checksum"]:
+                return
+            last = TransferError(f"checksum mismatch reading {meta['key']} from {r['node']}")
+        raise NotFoundError(f"key {meta['key']!r}: no readable replica ({last})")
+
+    def _read_many(self, metas: list, views: list) -> list[bool]:
+        """One batch of READs from each object's first replica; stragglers retried singly."""
+        picks = [(i, m) for i, m in enumerate(metas) if m and views[i] is not None]
+        reqs = [
+            TransferRequest(
+                Op.READ, views[i], m["replicas"][0]["segment"], m["replicas"][0]["offset"]
+            )
+            for i, m in picks
+        ]
+        statuses = self.engine.submit(reqs, timeout=self.timeout).wait() if reqs else []
+        ok = [False] * len(metas)
+        for (i, m), status in zip(picks, statuses, strict=True):
+            if status.ok and (m["checksum"] is None or checksum(views[i]) == m["checksum"]):
+                ok[i] = True
+                continue
+            try:
+                self._read(m, views[i])
+                ok[i] = True
+            except NotFoundError:
+                pass
+        return ok
+
+    def close(self) -> None:
+        self.master.close()
+        if self._own_engine:
+            self.engine.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

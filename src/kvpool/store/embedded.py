@@ -1,0 +1,34 @@
+"""Embedded mode: a master and one storage node inside the calling process (no etcd)."""
+
+from __future__ import annotations
+
+from kvpool.config import MasterConfig, TransferConfig, parse_size
+from kvpool.store.client import StoreClient
+from kvpool.store.master.service import MasterService
+from kvpool.store.node import StorageNode
+from kvpool.transfer import TransferEngine
+
+
+class EmbeddedStore(StoreClient):
+    """A whole single-machine pool: ``EmbeddedStore(memory="512MiB")`` is a ready client."""
+
+    def __init__(
+        self,
+        memory: int | str = "256MiB",
+        master_config: MasterConfig | None = None,
+        transfer_config: TransferConfig | None = None,
+        node_id: str = "embedded",
+    ) -> None:
+        self.service = MasterService(master_config)
+        self.server = self.service.serve()
+        engine = TransferEngine(transfer_config)
+        self.node = StorageNode(node_id, self.server.address, parse_size(memory), engine)
+        super().__init__(self.server.address, engine)
+        self._engine = engine
+
+    def close(self) -> None:
+        super().close()
+        self.node.close()
+        self._engine.close()
+        self.server.close()
+        self.service.close()

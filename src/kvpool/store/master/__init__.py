@@ -1,0 +1,1 @@
+"""The store master: metadata only (objects, allocators, eviction, leases, HA)."""

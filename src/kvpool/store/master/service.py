@@ -1,0 +1,217 @@
+"""The master as an RPC service: ``MasterState`` behind one lock, plus a ticker thread.
+
+Nodes learn what they hold through their heartbeats: every committed or deleted replica is
+queued for its node and handed over with the next heartbeat reply, so each node keeps an index
+of its own contents and a fresh master can rebuild the object table from the nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+from kvpool.common.errors import KVPoolError, NotFoundError
+from kvpool.common.rpc import RpcServer, rpc_method
+from kvpool.config import MasterConfig
+from kvpool.store.master.objects import ObjectMeta, ObjectState, Replica, Tier
+from kvpool.store.master.state import MasterState
+
+logger = logging.getLogger(__name__)
+
+
+def meta_to_wire(meta: ObjectMeta, lease_ttl: float = 0.0) -> dict:
+    return {
+        "key": meta.key,
+        "size": meta.size,
+        "replicas": [r.to_wire() for r in meta.replicas],
+        "checksum": meta.checksum,
+        "lease_ttl": lease_ttl,
+    }
+
+
+class _TrackedState(MasterState):
+    """MasterState that records, per node, the replicas committed and deleted since the node's
+    last heartbeat (the node's index deltas)."""
+
+    def __init__(self, config: MasterConfig, clock: Callable[[], float]) -> None:
+        super().__init__(config, clock)
+        self.deltas: dict[str, list] = defaultdict(list)
+
+    def put_end(self, key: str, checksum: int | None = None) -> None:
+        super().put_end(key, checksum)
+        meta = self.objects[key]
+        for r in meta.replicas:
+            self.deltas[r.node_id].append(["add", key, meta.size, r.segment, r.offset, checksum])
+
+    def _delete(self, meta: ObjectMeta) -> None:
+        committed = meta.state is ObjectState.COMPLETE
+        for r in meta.replicas if committed else []:
+            self.deltas[r.node_id].append(["del", meta.key, 0, r.segment, r.offset, None])
+        super()._delete(meta)
+
+    def drop_node(self, node_id: str) -> list[str]:
+        self.deltas.pop(node_id, None)
+        return super().drop_node(node_id)
+
+
+class MasterService:
+    """The RPC methods of the master (metadata only: values never pass through here)."""
+
+    def __init__(
+        self, config: MasterConfig | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config or MasterConfig()
+        self.state = _TrackedState(self.config, clock)
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick_loop, name="kvpool-master", daemon=True)
+        self._ticker.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._ticker.join(timeout=5)
+
+    def _tick_loop(self) -> None:
+        while not self._stop.wait(0.5):
+            with self.lock:
+                revoked, dead = self.state.tick()
+            for key in revoked:
+                logger.warning("master: put of %s timed out; revoked", key)
+            for node in dead:
+                logger.warning("master: node %s missed its heartbeats; dropped", node)
+
+    # -- nodes ----------------------------------------------------------------------------------
+
+    @rpc_method
+    def mount(self, node_id: str, segment: str, tier: str, capacity: int) -> bool:
+        with self.lock:
+            self.state.mount(node_id, segment, Tier(tier), int(capacity))
+        return True
+
+    @rpc_method
+    def heartbeat(self, node_id: str) -> dict:
+        """``{"known": bool, "deltas": [[op, key, size, segment, offset, checksum], ...]}``."""
+        with self.lock:
+            known = self.state.heartbeat(node_id)
+            deltas = self.state.deltas.pop(node_id, []) if known else []
+        return {"known": known, "deltas": deltas}
+
+    @rpc_method
+    def report(self, node_id: str, objects: list) -> int:
+        """A node's contents after a (re)mount: adopt what this master does not know."""
+        adopted = 0
+        with self.lock:
+            for key, size, segment, offset, checksum in objects:
+                replica = Replica(node_id, segment, int(offset), Tier.DRAM)
+                meta = self.state.objects.get(key)
+                if meta is not None and any(r.segment == segment for r in meta.replicas):
+                    continue
+                try:
+                    self.state.adopt(node_id, key, int(size), replica, checksum)
+                    adopted += 1
+                except (KVPoolError, ValueError, KeyError) as exc:
+                    logger.warning("master: cannot adopt %s from %s: %s", key, node_id, exc)
+        return adopted
+
+    # -- objects --------------------------------------------------------------------------------
+
+    @rpc_method
+    def put_start(self, key: str, size: int, replicas: int | None = None) -> dict:
+        with self.lock:
+            return meta_to_wire(self.state.put_start(key, int(size), replicas))
+
+    @rpc_method
+    def put_end(self, key: str, checksum: int | None = None) -> bool:
+        with self.lock:
+            self.state.put_end(key, checksum)
+        return True
+
+    @rpc_method
+    def put_revoke(self, key: str) -> bool:
+        with self.lock:
+            self.state.put_revoke(key)
+        return True
+
+    @rpc_method
+    def get(self, key: str) -> dict:
+        with self.lock:
+            return meta_to_wire(self.state.get(key), self.config.lease_ttl)
+
+    @rpc_method
+    def batch_get(self, keys: list[str]) -> list[dict | None]:
+        out: list[dict | None] = []
+        with self.lock:
+            for key in keys:
+                try:
+                    out.append(meta_to_wire(self.state.get(key), self.config.lease_ttl))
+                except NotFoundError:
+                    out.append(None)
+        return out
+
+    @rpc_method
+    def batch_put_start(self, items: list, replicas: int | None = None) -> list[dict]:
+        """``[[key, size], ...]`` -> per item the object, or ``{"error": {...}}``."""
+        from kvpool.common.rpc import error_body
+
+        out = []
+        with self.lock:
+            for key, size in items:
+                try:
+                    out.append(meta_to_wire(self.state.put_start(key, int(size), replicas)))
+                except KVPoolError as exc:
+                    out.append({"error": error_body(exc)})
+        return out
+
+    @rpc_method
+    def batch_put_end(self, items: list) -> list[bool]:
+        """``[[key, checksum], ...]``; False for a key with no put in progress."""
+        out = []
+        with self.lock:
+            for key, checksum in items:
+                try:
+                    self.state.put_end(key, checksum)
+                    out.append(True)
+                except NotFoundError:
+                    out.append(False)
+        return out
+
+    @rpc_method
+    def exists(self, key: str) -> bool:
+        with self.lock:
+            return self.state.exists(key)
+
+    @rpc_method
+    def batch_exists(self, keys: list[str]) -> list[bool]:
+        with self.lock:
+            return [self.state.exists(k) for k in keys]
+
+    @rpc_method
+    def remove(self, key: str, force: bool = False) -> bool:
+        with self.lock:
+            self.state.remove(key, force)
+        return True
+
+    @rpc_method
+    def pin(self, key: str, pinned: bool = True) -> bool:
+        with self.lock:
+            self.state.pin(key, pinned)
+        return True
+
+    @rpc_method
+    def stats(self) -> dict:
+        with self.lock:
+            used, cap = self.state.usage(Tier.DRAM)
+            return {
+                "objects": len(self.state.objects),
+                "nodes": len(self.state.nodes),
+                "dram_used_bytes": used,
+                "dram_capacity_bytes": cap,
+                **self.state.counters,
+            }
+
+    def serve(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> RpcServer:
+        """Start an RPC server for this service (the caller closes it)."""
+        return RpcServer(self, host, port, token=token).start()

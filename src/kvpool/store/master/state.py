@@ -1,0 +1,301 @@
+"""The master's state machine: object table, segment allocators, leases, eviction, node expiry.
+
+Pure logic with an injected clock and no I/O, so every rule is tested exactly; the RPC service
+wraps it (one lock around every call). Semantics follow Mooncake Store:
+
+- ``put_start`` allocates replicas on distinct nodes and records the object PROCESSING (not
+  visible); the client writes the bytes through the transfer engine; ``put_end`` makes it
+  COMPLETE; ``put_revoke`` (or the put timeout) frees the space.
+- ``get`` returns COMPLETE objects only and grants a read lease that blocks eviction and
+  removal until it runs out; ``remove`` is refused while leased unless forced.
+- Space: when a put cannot allocate, or a tier passes its high watermark, objects are evicted
+  down to the low watermark, coldest first (decayed access frequency: recency and frequency in
+  one score), never leased, in-flight or cooling-down ones, soft-pinned ones last.
+- Nodes heartbeat; a node silent for ``node_ttl`` is dropped with its replicas.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvpool.common.errors import (
+    AlreadyExistsError,
+    BadRequestError,
+    LeaseExpiredError,
+    NoSpaceError,
+    NotFoundError,
+)
+from kvpool.config import MasterConfig
+from kvpool.store.master.allocator import OffsetAllocator
+from kvpool.store.master.objects import ObjectMeta, ObjectState, Replica, Tier
+
+MAX_KEY_BYTES = 4096
+
+
+@dataclass(slots=True)
+class MountedSegment:
+    node_id: str
+    name: str
+    tier: Tier
+    allocator: OffsetAllocator
+
+
+@dataclass(slots=True)
+class Node:
+    node_id: str
+    last_seen: float
+    segments: list[str]
+
+
+class MasterState:
+    """Metadata of the whole pool (never any value bytes)."""
+
+    def __init__(
+        self, config: MasterConfig | None = None, clock: Callable[[], float] = time.monotonic
+    ):
+        self.config = config or MasterConfig()
+        self.clock = clock
+        self.objects: dict[str, ObjectMeta] = {}
+        self.segments: dict[str, MountedSegment] = {}
+        self.nodes: dict[str, Node] = {}
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("puts", "gets", "hits", "misses", "evictions", "revokes", "lease_conflicts"), 0
+        )
+
+    # -- nodes and segments ---------------------------------------------------------------------
+
+    def mount(self, node_id: str, segment: str, tier: Tier, capacity: int) -> None:
+        """A node offers ``capacity`` bytes of ``segment`` (re-mounting the same is a no-op)."""
+        if capacity <= 0:
+            raise BadRequestError("segment capacity must be > 0")
+        old = self.segments.get(segment)
+        if old is not None:
+            if old.node_id != node_id:
+                raise AlreadyExistsError(f"segment {segment!r} belongs to node {old.node_id}")
+            return
+        node = self.nodes.setdefault(node_id, Node(node_id, self.clock(), []))
+        node.last_seen = self.clock()
+        node.segments.append(segment)
+        self.segments[segment] = MountedSegment(node_id, segment, tier, OffsetAllocator(capacity))
+
+    def heartbeat(self, node_id: str) -> bool:
+        """False if the master does not know the node (it must mount again)."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            return False
+        node.last_seen = self.clock()
+        return True
+
+    def drop_node(self, node_id: str) -> list[str]:
+        """Forget a node and every replica on it; the keys that lost their last replica."""
+        node = self.nodes.pop(node_id, None)
+        if node is None:
+            return []
+        for name in node.segments:
+            self.segments.pop(name, None)
+        lost = []
+        for key, meta in list(self.objects.items()):
+            kept = [r for r in meta.replicas if r.node_id != node_id]
+            if len(kept) != len(meta.replicas):
+                meta.replicas = kept
+                if not kept:
+                    del self.objects[key]
+                    lost.append(key)
+        return lost
+
+    def adopt(
+        self, node_id: str, key: str, size: int, replica: Replica, checksum: int | None
+    ) -> None:
+        """A node reports an object it holds (a fresh master rebuilding its table)."""
+        seg = self.segments.get(replica.segment)
+        if seg is None or seg.node_id != node_id:
+            raise BadRequestError(f"segment {replica.segment!r} is not mounted by {node_id}")
+        seg.allocator.reserve(replica.offset, size)
+        meta = self.objects.get(key)
+        now = self.clock()
+        if meta is None:
+            meta = self.objects[key] = ObjectMeta(key, size, [], now, ObjectState.COMPLETE)
+            meta.checksum = checksum
+        elif meta.size != size:
+            seg.allocator.free(replica.offset)
+            raise BadRequestError(f"node {node_id} reports {key!r} with a different size")
+        meta.replicas.append(replica)
+
+    # -- puts -----------------------------------------------------------------------------------
+
+    def put_start(self, key: str, size: int, replicas: int | None = None) -> ObjectMeta:
+        """Allocate ``replicas`` copies on distinct nodes (DRAM first, evicting if needed)."""
+        _check_key(key)
+        if not 0 < size <= self.config.max_object_bytes:
+            raise BadRequestError(
+                f"value size {size} not in [1, {self.config.max_object_bytes}] bytes"
+            )
+        if key in self.objects:
+            raise AlreadyExistsError(f"key {key!r} already exists (objects are immutable)")
+        want = replicas or self.config.replicas
+        placed = self._place(size, want)
+        now = self.clock()
+        meta = ObjectMeta(key, size, placed, now, put_deadline=now + self.config.put_timeout)
+        self.objects[key] = meta
+        self.counters["puts"] += 1
+        return meta
+
+    def put_end(self, key: str, checksum: int | None = None) -> None:
+        meta = self._processing(key)
+        meta.state = ObjectState.COMPLETE
+        meta.checksum = checksum
+        meta.touch(self.clock(), self.config.half_life)
+
+    def put_revoke(self, key: str) -> None:
+        meta = self._processing(key)
+        self._delete(meta)
+        self.counters["revokes"] += 1
+
+    # -- reads and removal ------------------------------------------------------------------------
+
+    def get(self, key: str) -> ObjectMeta:
+        """A COMPLETE object's replicas, with a read lease of ``lease_ttl``."""
+        self.counters["gets"] += 1
+        meta = self.objects.get(key)
+        if meta is None or meta.state is not ObjectState.COMPLETE or not meta.replicas:
+            self.counters["misses"] += 1
+            raise NotFoundError(f"key {key!r} not found")
+        now = self.clock()
+        meta.lease_until = max(meta.lease_until, now + self.config.lease_ttl)
+        meta.touch(now, self.config.half_life)
+        self.counters["hits"] += 1
+        return meta
+
+    def exists(self, key: str) -> bool:
+        meta = self.objects.get(key)
+        return meta is not None and meta.state is ObjectState.COMPLETE and bool(meta.replicas)
+
+    def remove(self, key: str, force: bool = False) -> None:
+        meta = self.objects.get(key)
+        if meta is None or meta.state is not ObjectState.COMPLETE:
+            raise NotFoundError(f"key {key!r} not found")
+        if meta.leased(self.clock()) and not force:
+            self.counters["lease_conflicts"] += 1
+            raise LeaseExpiredError(f"key {key!r} is leased by a reader; remove(force=True)")
+        self._delete(meta)
+
+    def pin(self, key: str, pinned: bool = True) -> None:
+        meta = self.objects.get(key)
+        if meta is None:
+            raise NotFoundError(f"key {key!r} not found")
+        meta.pinned = pinned
+
+    # -- time -----------------------------------------------------------------------------------
+
+    def tick(self) -> tuple[list[str], list[str]]:
+        """Revoke puts past their deadline and drop silent nodes: (revoked keys, dropped nodes)."""
+        now = self.clock()
+        revoked = [
+            m.key for m in self.objects.values()
+            if m.state is ObjectState.PROCESSING and m.put_deadline < now
+        ]  # fmt: skip
+        for key in revoked:
+            self.put_revoke(key)
+        dead = [n.node_id for n in self.nodes.values() if now - n.last_seen > self.config.node_ttl]
+        for node_id in dead:
+            self.drop_node(node_id)
+        return revoked, dead
+
+    # -- space ----------------------------------------------------------------------------------
+
+    def usage(self, tier: Tier = Tier.DRAM) -> tuple[int, int]:
+        """(used, capacity) bytes of a tier over every mounted segment."""
+        segs = [s for s in self.segments.values() if s.tier is tier]
+        return sum(s.allocator.used for s in segs), sum(s.allocator.capacity for s in segs)
+
+    def _place(self, size: int, want: int) -> list[Replica]:
+        """One allocation per distinct node, most free space first; evict when none fits."""
+        placed: list[Replica] = []
+        try:
+            for _ in range(want):
+                taken = {r.node_id for r in placed}
+                replica = self._allocate(size, taken)
+                if replica is None:
+                    self.evict(Tier.DRAM, need=size, exclude_nodes=taken)
+                    replica = self._allocate(size, taken)
+                if replica is None:
+                    if placed:  # fewer replicas than asked beats no object at all
+                        break
+                    raise NoSpaceError(f"no DRAM segment can hold {size} bytes now")
+                placed.append(replica)
+        except BaseException:
+            for r in placed:
+                self.segments[r.segment].allocator.free(r.offset)
+            raise
+        self._evict_to_watermark()
+        return placed
+
+    def _allocate(self, size: int, skip_nodes: set[str]) -> Replica | None:
+        segs = [
+            s for s in self.segments.values()
+            if s.tier is Tier.DRAM and s.node_id not in skip_nodes
+        ]  # fmt: skip
+        segs.sort(key=lambda s: s.allocator.free_bytes, reverse=True)
+        for seg in segs:
+            if size > seg.allocator.capacity:
+                continue
+            offset = seg.allocator.allocate(size)
+            if offset is not None:
+                return Replica(seg.node_id, seg.name, offset, seg.tier)
+        return None
+
+    def evict(self, tier: Tier, need: int = 0, exclude_nodes: set[str] | None = None) -> list[str]:
+        """Evict coldest objects of ``tier`` until ``need`` more bytes are free and usage is
+        at or below the low watermark; the evicted keys (in eviction order)."""
+        now = self.clock()
+        used, cap = self.usage(tier)
+        target = min(cap * self.config.low_watermark, cap - need)
+        victims = sorted(
+            (m for m in self.objects.values() if self._evictable(m, now, tier, exclude_nodes)),
+            key=lambda m: (m.pinned, m.heat(now, self.config.half_life), m.last_access),
+        )
+        evicted = []
+        for meta in victims:
+            if used <= target:
+                break
+            used -= meta.size * len(meta.replicas_on(tier))
+            self._delete(meta)
+            evicted.append(meta.key)
+        self.counters["evictions"] += len(evicted)
+        return evicted
+
+    def _evict_to_watermark(self) -> None:
+        used, cap = self.usage(Tier.DRAM)
+        if cap and used > cap * self.config.high_watermark:
+            self.evict(Tier.DRAM)
+
+    def _evictable(self, m: ObjectMeta, now: float, tier: Tier, exclude: set[str] | None) -> bool:
+        if m.state is not ObjectState.COMPLETE or m.leased(now) or m.cooldown_until > now:
+            return False
+        on_tier = m.replicas_on(tier)
+        return bool(on_tier) and not (exclude and all(r.node_id in exclude for r in on_tier))
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _processing(self, key: str) -> ObjectMeta:
+        meta = self.objects.get(key)
+        if meta is None or meta.state is not ObjectState.PROCESSING:
+            raise NotFoundError(f"no put in progress for key {key!r}")
+        return meta
+
+    def _delete(self, meta: ObjectMeta) -> None:
+        for r in meta.replicas:
+            seg = self.segments.get(r.segment)
+            if seg is not None:
+                seg.allocator.free(r.offset)
+        meta.replicas = []
+        self.objects.pop(meta.key, None)
+
+
+def _check_key(key: str) -> None:
+    if not isinstance(key, str) or not key:
+        raise BadRequestError("a key must be a non-empty string")
+    if len(key.encode()) > MAX_KEY_BYTES:
+        raise BadRequestError(f"a key must be at most {MAX_KEY_BYTES} bytes")

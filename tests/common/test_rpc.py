@@ -1,0 +1,436 @@
+"""The control-plane RPC over real ZeroMQ sockets on 127.0.0.1 (no mocks)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import select
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import msgpack
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvpool.common.errors import (
+    BadRequestError,
+    KVPoolError,
+    KVPoolTimeoutError,
+    NotFoundError,
+    ProtocolError,
+    RejectedError,
+)
+from kvpool.common.rpc import AuthError, RpcClient, RpcServer, pack, rpc_method
+
+
+class Handler:
+    """Exposes a few methods; ``hidden`` and ``_private`` must stay unreachable."""
+
+    @rpc_method
+    def echo(self, value):
+        return value
+
+    @rpc_method
+    def add(self, a, b=0):
+        return a + b
+
+    @rpc_method
+    def repeat(self, data, n):
+        return data * n
+
+    @rpc_method
+    def kw(self, a, *, scale=1, label="x"):
+        return {"a": a, "scale": scale, "label": label}
+
+    @rpc_method
+    def not_found(self, key):
+        raise NotFoundError(f"no such key {key}", param="key")
+
+    @rpc_method
+    def rejected(self):
+        raise RejectedError("queue full", retry_after=2.5, reason="queue")
+
+    @rpc_method
+    def crash(self):
+        return 1 // 0
+
+    @rpc_method
+    def unserializable(self):
+        return object()
+
+    @rpc_method
+    def sleep(self, seconds, tag):
+        time.sleep(seconds)
+        return tag
+
+    def hidden(self):
+        return "secret"
+
+    def _private(self):
+        return "secret"
+
+    @rpc_method
+    def _marked_private(self):  # underscore names stay private even when marked
+        return "secret"
+
+
+@pytest.fixture(scope="module", params=[1, 4], ids=["inline", "pool4"])
+def server(request):
+    with RpcServer(Handler(), workers=request.param) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server):
+    with RpcClient(server.address, timeout=5.0) as c:
+        yield c
+
+
+def raw_dealer(server: RpcServer) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{server.address}")
+    return sock
+
+
+def raw_reply(sock: zmq.Socket, timeout_ms: int = 3000) -> list:
+    assert sock.poll(timeout_ms, zmq.POLLIN), "server sent no reply"
+    return msgpack.unpackb(sock.recv(), raw=False, strict_map_key=False)
+
+
+MIB = os.urandom(1 << 20)
+VALUES = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    2**63 - 1,
+    -(2**63),
+    2**64 - 1,
+    1.5,
+    -0.0,
+    float("inf"),
+    1e-300,
+    "",
+    "héllo ✓",
+    b"",
+    b"\x00\xff",
+    MIB,
+    [1, "two", b"three", None, [4.0]],
+    {"a": 1, 2: "int key", "nested": {"b": [True, b"x"]}},
+]
+
+
+def test_roundtrip_all_types(client):
+    for value in VALUES:
+        out = client.call("echo", value)
+        assert out == value
+        assert type(out) is type(value)
+    assert client.call("echo", (1, 2)) == [1, 2]  # tuples arrive as lists
+    assert client.call("echo", MIB) == MIB
+
+
+ints = st.integers(-(2**63), 2**64 - 1)
+scalars = (
+    st.none()
+    | st.booleans()
+    | ints
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20)
+    | st.binary(max_size=64)
+)
+values = st.recursive(
+    scalars,
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8) | ints, c),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(value=values)
+def test_roundtrip_random_values(server, value):
+    with RpcClient(server.address) as c:
+        assert c.call("echo", value) == value
+
+
+def test_args_and_kwargs(client):
+    assert client.call("add", 2, 3) == 5
+    assert client.call("add", 2, b=40) == 42
+    assert client.call("add", a=b"ab", b=b"cd") == b"abcd"
+    assert client.call("kw", 7, label="y") == {"a": 7, "scale": 1, "label": "y"}
+
+
+def test_typed_errors_travel(client):
+    with pytest.raises(NotFoundError) as info:
+        client.call("not_found", "k1")
+    assert info.value.message == "no such key k1"
+    assert str(info.value) == "no such key k1"
+    assert info.value.param == "key"
+    with pytest.raises(RejectedError) as info:
+        client.call("rejected")
+    assert (info.value.retry_after, info.value.reason, info.value.http_status) == (
+        2.5,
+        "queue",
+        429,
+    )
+
+
+def test_internal_errors_do_not_kill_the_server(client):
+    for method in ["crash", "unserializable"]:
+        with pytest.raises(KVPoolError) as info:
+            client.call(method)
+        assert type(info.value) is KVPoolError
+        assert info.value.message == f"internal error in {method}"
+        assert client.call("add", 1, 1) == 2
+
+
+def test_unknown_and_unexposed_methods(client):
+    for name in [
+        "nope",
+        "hidden",
+        "_private",
+        "_marked_private",
+        "__init__",
+        "__class__",
+        "__dict__",
+    ]:
+        with pytest.raises(BadRequestError, match="unknown method"):
+            client.call(name)
+    with pytest.raises(BadRequestError, match="bad arguments"):
+        client.call("add", 1, 2, 3)
+    with pytest.raises(BadRequestError, match="bad arguments"):
+        client.call("add", 1, c=3)
+    assert client.call("add", 1, 2) == 3
+
+
+def test_handler_tables():
+    with pytest.raises(ValueError, match="no @rpc_method"):
+        RpcServer(object())
+    with pytest.raises(TypeError):
+        RpcServer({"x": 42})
+    with RpcServer({"twice": lambda x: 2 * x}) as srv, RpcClient(srv.address) as c:
+        assert c.call("twice", 21) == 42
+
+
+def test_timeout_then_next_call_gets_its_own_reply(server, client):
+    t0 = time.monotonic()
+    with pytest.raises(KVPoolTimeoutError):
+        client.call("sleep", 0.6, "late", timeout=0.2)
+    elapsed = time.monotonic() - t0
+    assert 0.15 <= elapsed < 3.0
+    assert client.call("sleep", 0.0, "fresh") == "fresh"
+    time.sleep(0.7)  # the late reply has surely been sent by now
+    assert client.call("echo", "next") == "next"
+
+
+def test_client_discards_stale_and_malformed_replies():
+    """A hand-made server answers every request with junk and a stale id before the real reply."""
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            if not router.poll(50, zmq.POLLIN):
+                continue
+            ident, payload = router.recv_multipart()
+            _, rid, _, args, _, _ = msgpack.unpackb(payload, raw=False)
+            router.send_multipart([ident, b"\xc1garbage"])
+            router.send_multipart([ident, pack([rid - 1, True, "stale"])])
+            router.send_multipart([ident, pack([True, True, "bool id"])])
+            router.send_multipart([ident, pack([rid, "yes", "ok is not a bool"])])
+            router.send_multipart([ident, pack([rid, True])])
+            router.send_multipart([ident, pack([rid, True, args[0]])])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        with RpcClient(f"127.0.0.1:{port}", timeout=3.0) as c:
+            assert [c.call("x", i) for i in range(1, 6)] == [1, 2, 3, 4, 5]
+    finally:
+        stop.set()
+        thread.join(5)
+        router.close(linger=0)
+
+
+def test_auth_token():
+    with RpcServer(Handler(), token="s3cret") as srv:
+        for token in [None, "", "wrong", "s3cret!"]:
+            with RpcClient(srv.address, token=token) as c, pytest.raises(AuthError) as info:
+                c.call("add", 1, 2)
+            assert info.value.http_status == 401
+        with RpcClient(srv.address, token="s3cret") as c:
+            assert c.call("add", 1, 2) == 3
+    for host in ["0.0.0.0", "::"]:
+        for token in [None, ""]:
+            with pytest.raises(ValueError, match="token"):
+                RpcServer(Handler(), host=host, token=token)
+    with (
+        RpcServer(Handler(), host="0.0.0.0", token="t") as srv,
+        RpcClient(f"127.0.0.1:{srv.port}", token="t") as c,
+    ):
+        assert c.call("add", 2, 2) == 4
+
+
+MALFORMED = [
+    [b""],
+    [b"", b""],
+    [b"a", b"b", b"c"],
+    [b"\xc1"],
+    [pack(1)],
+    [pack([])],
+    [pack([1, 2, 3])],
+    [pack({"version": 1})],
+    [pack([2, 11, "add", [1, 2], {}, None])],
+    [pack([True, 12, "add", [1, 2], {}, None])],
+    [pack([1, "13", "add", [1, 2], {}, None])],
+    [pack([1, 14, 123, [1, 2], {}, None])],
+    [pack([1, 15, "add", "1,2", {}, None])],
+    [pack([1, 16, "add", [1], {1: 2}, None])],
+    [pack([1, 17, "add", [1], [], None])],
+    [pack([1, 18, "add", ["a", 1], {}, None])],  # passes checks; the handler's TypeError
+    [msgpack.packb(msgpack.ExtType(5, b"x"))],
+    [b"\x91" * 2000],  # deeply nested arrays
+]
+
+
+def test_malformed_frames_get_error_replies(server, client):
+    sock = raw_dealer(server)
+    try:
+        for frames in MALFORMED:
+            sock.send_multipart(frames)
+            reply = raw_reply(sock)
+            assert reply[1] is False, frames
+            assert reply[2]["type"] in {"ProtocolError", "BadRequestError", "KVPoolError"}
+        sock.send(pack([2, 11, "add", [1, 2], {}, None]))
+        assert raw_reply(sock)[0] == 11  # the id is echoed whenever it could be read
+        assert client.call("add", 1, 2) == 3
+    finally:
+        sock.close(linger=0)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.binary(max_size=4096))
+def test_random_bytes_from_a_dealer(server, data):
+    sock = raw_dealer(server)
+    try:
+        sock.send(data)
+        reply = raw_reply(sock)
+        assert reply[1] is False
+        assert reply[2]["type"] in {ProtocolError.__name__, BadRequestError.__name__}
+    finally:
+        sock.close(linger=0)
+    with RpcClient(server.address) as c:
+        assert c.call("add", 1, 2) == 3
+
+
+def test_oversized_frames_are_dropped():
+    with RpcServer(Handler(), max_message_size=1024) as srv:
+        sock = raw_dealer(srv)
+        sock.send(os.urandom(4096))
+        assert not sock.poll(300, zmq.POLLIN)  # dropped, no reply
+        sock.close(linger=0)
+        with RpcClient(srv.address, timeout=0.5) as c:
+            with pytest.raises(KVPoolTimeoutError):
+                c.call("echo", b"x" * 4096)
+            assert c.call("echo", b"x" * 100) == b"x" * 100
+            with pytest.raises(KVPoolError, match="exceeds the message limit"):
+                c.call("repeat", b"x", 2000)  # the reply would be too large
+            assert c.call("add", 1, 2) == 3
+
+
+def test_raw_tcp_garbage(server, client):
+    idle = socket.create_connection(("127.0.0.1", server.port), timeout=5)  # says nothing
+    try:
+        greeting = b"\xff" + b"\x00" * 8 + b"\x7f\x03\x00NULL" + b"\x00" * 16
+        for junk in [os.urandom(8192), greeting + os.urandom(4096), b"GET / HTTP/1.1\r\n\r\n"]:
+            with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+                s.sendall(junk)
+        assert client.call("echo", "still here") == "still here"
+    finally:
+        idle.close()
+
+
+def test_concurrent_callers(client):
+    results: dict[int, list] = {}
+
+    def worker(tid: int) -> None:
+        results[tid] = [client.call("add", tid * 1000, i) for i in range(50)]
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results == {t: [t * 1000 + i for i in range(50)] for t in range(8)}
+
+
+def test_asyncio_acall(client):
+    async def main():
+        got = await asyncio.gather(*(client.acall("add", i, b=1) for i in range(10)))
+        with pytest.raises(NotFoundError):
+            await client.acall("not_found", "k")
+        return got
+
+    assert asyncio.run(main()) == list(range(1, 11))
+
+
+def test_retarget_and_close():
+    with (
+        RpcServer({"who": lambda: "a"}) as a,
+        RpcServer({"who": lambda: "b"}) as b,
+        RpcClient(a.address) as c,
+    ):
+        assert c.call("who") == "a"
+        c.retarget(b.address)
+        assert c.call("who") == "b"
+        a.close()
+        assert not a._thread.is_alive()
+        c.close()
+        with pytest.raises(KVPoolError, match="closed"):
+            c.call("who")
+    with pytest.raises(ValueError):
+        RpcClient("no-port")
+
+
+SERVER_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    from kvpool.common.rpc import RpcServer
+    with RpcServer({"pid": os.getpid, "mul": lambda a, b: a * b}) as srv:
+        print(srv.port, flush=True)
+        sys.stdin.read()  # serve until the parent closes our stdin
+    """
+)
+
+
+def test_server_in_another_process():
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER_SCRIPT],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 20)
+        assert ready, "server process did not start"
+        port = int(proc.stdout.readline())
+        with RpcClient(f"127.0.0.1:{port}") as c:
+            assert c.call("pid") == proc.pid != os.getpid()
+            assert c.call("mul", b"ab", 3) == b"ababab"
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)

@@ -1,0 +1,201 @@
+"""The master's rules, exactly, with a hand-driven clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.common.errors import (
+    AlreadyExistsError,
+    BadRequestError,
+    LeaseExpiredError,
+    NoSpaceError,
+    NotFoundError,
+)
+from kvpool.config import MasterConfig
+from kvpool.store.master.objects import ObjectState, Replica, Tier
+from kvpool.store.master.state import MasterState
+
+KiB = 1024
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+def make(clock, nodes=("n1",), capacity=100 * KiB, **cfg) -> MasterState:
+    state = MasterState(MasterConfig(**cfg), clock=clock)
+    for node in nodes:
+        state.mount(node, f"{node}/dram", Tier.DRAM, capacity)
+    return state
+
+
+def put(state: MasterState, key: str, size: int, **kw) -> None:
+    state.put_start(key, size, **kw)
+    state.put_end(key)
+
+
+def test_two_phase_put_is_invisible_until_it_ends(clock):
+    s = make(clock)
+    meta = s.put_start("k", 1000)
+    assert meta.state is ObjectState.PROCESSING and len(meta.replicas) == 1
+    assert not s.exists("k")
+    with pytest.raises(NotFoundError):
+        s.get("k")
+    with pytest.raises(AlreadyExistsError):
+        s.put_start("k", 1000)  # in flight counts as existing
+    s.put_end("k", checksum=42)
+    assert s.exists("k") and s.get("k").checksum == 42
+    with pytest.raises(AlreadyExistsError):
+        s.put_start("k", 10)  # immutable
+    with pytest.raises(NotFoundError):
+        s.put_end("k")  # not in progress any more
+
+
+def test_revoke_and_put_timeout_reclaim_space(clock):
+    s = make(clock, put_timeout=30)
+    s.put_start("a", 40 * KiB)
+    s.put_revoke("a")
+    assert s.usage() == (0, 100 * KiB) and "a" not in s.objects
+    s.put_start("b", 40 * KiB)
+    clock.t += 31
+    revoked, _dead = s.tick()
+    assert revoked == ["b"] and s.usage()[0] == 0
+    with pytest.raises(NotFoundError):
+        s.put_revoke("b")
+
+
+def test_lease_blocks_removal_and_eviction(clock):
+    s = make(clock, lease_ttl=10, high_watermark=0.95, low_watermark=0.5)
+    put(s, "old", 40 * KiB)
+    put(s, "mid", 40 * KiB)
+    s.get("old")  # leased for 10 s
+    with pytest.raises(LeaseExpiredError):
+        s.remove("old")
+    assert s.counters["lease_conflicts"] == 1
+    s.put_start("new", 40 * KiB)  # needs room: "mid" goes, leased "old" stays
+    assert "old" in s.objects and "mid" not in s.objects
+    clock.t += 11
+    s.remove("old")  # lease over
+    assert not s.exists("old")
+    put(s, "x", 10 * KiB)
+    s.get("x")
+    s.remove("x", force=True)  # forced removal ignores the lease
+    assert not s.exists("x")
+
+
+def test_eviction_prefers_cold_over_recent_one_offs(clock):
+    """Decayed frequency: a block read many times stays although a one-off is newer."""
+    s = make(clock, capacity=100 * KiB, high_watermark=0.95, low_watermark=0.6, lease_ttl=1)
+    put(s, "hot", 30 * KiB)
+    for _ in range(5):
+        clock.t += 2
+        s.get("hot")
+    clock.t += 2
+    put(s, "oneoff", 30 * KiB)
+    clock.t += 2
+    put(s, "warm", 30 * KiB)
+    s.get("warm")
+    clock.t += 2
+    evicted = s.evict(Tier.DRAM, need=30 * KiB)
+    assert evicted == ["oneoff"]  # coldest first; stops once enough is free
+    assert set(s.objects) == {"hot", "warm"}
+
+
+def test_watermark_eviction_frees_down_to_low_mark(clock):
+    s = make(clock, capacity=100 * KiB, high_watermark=0.9, low_watermark=0.5, lease_ttl=0.5)
+    for i in range(9):
+        put(s, f"k{i}", 10 * KiB)
+        clock.t += 1
+    assert s.usage()[0] == 90 * KiB  # at the high mark, not above: nothing evicted
+    put(s, "k9", 10 * KiB)  # 100 % > 90 %: evict the oldest down to 50 %
+    used, _cap = s.usage()
+    assert used <= 50 * KiB
+    assert sorted(s.objects) == ["k5", "k6", "k7", "k8", "k9"]
+    assert s.counters["evictions"] == 5
+
+
+def test_pinned_objects_go_last_and_cooldown_protects(clock):
+    s = make(clock, capacity=100 * KiB, high_watermark=0.99, low_watermark=0.3, lease_ttl=0.1)
+    put(s, "pinned", 30 * KiB)
+    s.pin("pinned")
+    clock.t += 1
+    put(s, "plain", 30 * KiB)
+    clock.t += 1
+    put(s, "cool", 30 * KiB)
+    s.objects["cool"].cooldown_until = clock.t + 100
+    clock.t += 1
+    assert s.evict(Tier.DRAM, need=60 * KiB) == ["plain", "pinned"]
+    assert list(s.objects) == ["cool"]
+
+
+def test_replicas_go_to_distinct_nodes(clock):
+    s = make(clock, nodes=("n1", "n2", "n3"), replicas=2)
+    meta = s.put_start("k", 1000)
+    assert len({r.node_id for r in meta.replicas}) == 2
+    meta3 = s.put_start("k3", 1000, replicas=3)
+    assert sorted(r.node_id for r in meta3.replicas) == ["n1", "n2", "n3"]
+    one = make(clock, nodes=("n1",), replicas=2)
+    assert len(one.put_start("k", 1000).replicas) == 1  # fewer nodes than replicas: best effort
+
+
+def test_dead_node_drops_its_replicas(clock):
+    s = make(clock, nodes=("n1", "n2"), replicas=2, node_ttl=10)
+    put(s, "both", 1000)
+    put(s, "single", 1000, replicas=1)
+    single_node = s.objects["single"].replicas[0].node_id
+    clock.t += 5
+    s.heartbeat("n1" if single_node == "n2" else "n2")  # the other node stays alive
+    clock.t += 6
+    _, dead = s.tick()
+    assert dead == [single_node]
+    assert s.exists("both") and len(s.objects["both"].replicas) == 1
+    assert not s.exists("single")  # a clean miss, never a dangling replica
+    assert s.heartbeat(single_node) is False  # it must mount again
+
+
+def test_no_space_and_bad_input(clock):
+    s = make(clock, capacity=10 * KiB, max_object_bytes="8KiB")
+    with pytest.raises(BadRequestError):
+        s.put_start("", 10)
+    with pytest.raises(BadRequestError):
+        s.put_start("k", 0)
+    with pytest.raises(BadRequestError):
+        s.put_start("k", 9 * KiB)  # over max_object_bytes
+    with pytest.raises(BadRequestError):
+        s.put_start("x" * 5000, 10)
+    put(s, "a", 6 * KiB)
+    s.get("a")  # leased: cannot be evicted
+    with pytest.raises(NoSpaceError):
+        s.put_start("b", 6 * KiB)
+    assert "b" not in s.objects and s.usage()[0] == 6 * KiB
+    with pytest.raises(NotFoundError):
+        s.remove("nope")
+    with pytest.raises(NotFoundError):
+        s.pin("nope")
+    empty = MasterState(MasterConfig(), clock=clock)
+    with pytest.raises(NoSpaceError):
+        empty.put_start("k", 10)
+
+
+def test_rebuild_from_node_reports(clock):
+    s = make(clock)
+    put(s, "k", 5000)
+    replica = s.objects["k"].replicas[0]
+    fresh = make(clock)
+    fresh.adopt("n1", "k", 5000, Replica("n1", replica.segment, replica.offset, Tier.DRAM), 7)
+    assert fresh.exists("k") and fresh.get("k").checksum == 7
+    assert fresh.usage()[0] == s.usage()[0]
+    with pytest.raises(BadRequestError):
+        fresh.adopt("n2", "z", 10, Replica("n2", "n1/dram", 0, Tier.DRAM), None)
+    put(fresh, "new", 1000)  # never overlaps the adopted range
+    new = fresh.objects["new"].replicas[0]
+    assert new.offset >= replica.offset + 5000 or new.offset + 1000 <= replica.offset

@@ -1,0 +1,101 @@
+"""The store end to end in embedded mode (master, node and client in this process)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from kvpool.common.errors import AlreadyExistsError, BadRequestError, NotFoundError
+from kvpool.config import MasterConfig
+from kvpool.store import EmbeddedStore
+
+
+@pytest.fixture
+def store():
+    s = EmbeddedStore("32MiB", MasterConfig(lease_ttl=0.2, max_object_bytes="16MiB"))
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("size", [1, 4096, 65537, 1 << 20, 8 << 20])
+def test_values_read_back_byte_identical(store, size):
+    value = os.urandom(size)
+    store.put(f"k{size}", value)
+    assert store.get(f"k{size}") == value
+    buf = np.zeros(size + 10, np.uint8)
+    assert store.get_into(f"k{size}", buf) == size
+    assert buf[:size].tobytes() == value and not buf[size:].any()
+    assert store.get_size(f"k{size}") == size
+
+
+def test_tensor_values_and_batches(store):
+    t = torch.arange(1000, dtype=torch.float32)
+    store.put_from("tensor", t)
+    out = torch.zeros(1000, dtype=torch.float32)
+    store.get_into("tensor", out)
+    assert torch.equal(out, t)
+    keys = [f"b{i}" for i in range(20)]
+    values = [os.urandom(100 + i * 1000) for i in range(20)]
+    assert store.batch_put(keys, values) == [None] * 20
+    assert store.batch_get([*keys, "missing"]) == [*values, None]
+    assert store.batch_exists(["b0", "missing"]) == [True, False]
+    bufs = [bytearray(len(v)) for v in values]
+    assert store.batch_get_into(keys, bufs) == [len(v) for v in values]
+    assert [bytes(b) for b in bufs] == values
+
+
+def test_errors_are_typed(store):
+    store.put("dup", b"1")
+    with pytest.raises(AlreadyExistsError):
+        store.put("dup", b"2")
+    assert store.get("dup") == b"1"  # the first value stays
+    with pytest.raises(NotFoundError):
+        store.get("unknown")
+    with pytest.raises(BadRequestError):
+        store.put("", b"x")
+    with pytest.raises(BadRequestError):
+        store.put("empty", b"")
+    with pytest.raises(BadRequestError):
+        store.put("huge", b"x" * (17 << 20))  # over max_object_bytes
+    results = store.batch_put(["dup", "new"], [b"a", b"b"])
+    assert isinstance(results[0], AlreadyExistsError) and results[1] is None
+
+
+def test_remove_and_leases(store):
+    import time
+
+    store.put("r", b"value")
+    store.get("r")  # leased for 0.2 s
+    with pytest.raises(Exception, match="leased"):
+        store.remove("r")
+    time.sleep(0.3)
+    store.remove("r")
+    assert not store.exists("r")
+    with pytest.raises(NotFoundError):
+        store.get("r")
+
+
+def test_eviction_under_pressure_keeps_serving(store):
+    value = os.urandom(1 << 20)
+    for i in range(60):  # 60 MiB through a 32 MiB pool
+        store.put(f"e{i}", value)
+    stats = store.stats()
+    assert stats["evictions"] > 0 and stats["dram_used_bytes"] <= 32 << 20
+    assert store.get("e59") == value  # the newest are there
+    present = [i for i in range(60) if store.exists(f"e{i}")]
+    assert all(store.get(f"e{i}") == value for i in present[-3:])
+
+
+def test_node_index_follows_commits(store):
+    import time
+
+    store.put("idx", b"abc")
+    deadline = time.monotonic() + 5
+    while "idx" not in store.node.index and time.monotonic() < deadline:
+        time.sleep(0.05)
+    offset, size, _ = store.node.index["idx"]
+    assert size == 3
+    assert store.node.segment.array[offset : offset + 3].tobytes() == b"abc"
