@@ -101,3 +101,10 @@ class ModelLoadError(KVPoolError):
 
     http_status = 500
     error_type = "model_load_error"
+
+
+class UnavailableError(KVPoolError):
+    """Temporarily unable to answer (a leader election or a table rebuild): retry shortly."""
+
+    http_status = 503
+    error_type = "unavailable_error"

@@ -32,9 +32,12 @@ def _master(args: argparse.Namespace) -> int:
         lease_ttl=args.lease_ttl,
         node_ttl=args.node_ttl,
     )
+    token = os.environ.get("KVPOOL_AUTH_TOKEN") or None
+    if args.etcd:
+        return _master_ha(args, config, token)
     service = MasterService(config)
     try:
-        server = service.serve(args.host, args.port, os.environ.get("KVPOOL_AUTH_TOKEN") or None)
+        server = service.serve(args.host, args.port, token)
     except (ValueError, OSError) as exc:
         print(f"kvpool store master: {exc}", file=sys.stderr)
         service.close()
@@ -43,6 +46,35 @@ def _master(args: argparse.Namespace) -> int:
     _wait_for_signal()
     server.close()
     service.close()
+    return 0
+
+
+def _master_ha(args: argparse.Namespace, config: MasterConfig, token: str | None) -> int:
+    """Campaign through etcd; serve only while leading (a fresh table, rebuilt from nodes)."""
+    from kvpool.common.etcd import EtcdClient
+    from kvpool.store.master.ha import LeaderElection
+    from kvpool.store.master.service import MasterService
+
+    address = f"{args.host}:{args.port}"
+    live: dict = {}
+
+    def elected() -> None:
+        live["service"] = MasterService(config, rebuild_grace=args.rebuild_grace)
+        live["server"] = live["service"].serve(args.host, args.port, token)
+        print(json.dumps({"leader": True, "address": address}), flush=True)
+
+    def lost() -> None:
+        for key in ("server", "service"):
+            obj = live.pop(key, None)
+            if obj is not None:
+                obj.close()
+
+    election = LeaderElection(EtcdClient(args.etcd), address, elected, lost, ttl=args.leader_ttl)
+    print(json.dumps({"ready": True, "address": address, "role": "candidate"}), flush=True)
+    election.start()
+    _wait_for_signal()
+    election.close()
+    lost()
     return 0
 
 
@@ -76,10 +108,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     m.add_argument("--low-watermark", type=float, default=0.8)
     m.add_argument("--lease-ttl", type=float, default=10.0)
     m.add_argument("--node-ttl", type=float, default=10.0)
+    m.add_argument("--etcd", default=None, help="HOST:PORT[,...]: elect one leader among masters")
+    m.add_argument("--leader-ttl", type=float, default=3.0, help="leader lease (seconds)")
+    m.add_argument("--rebuild-grace", type=float, default=2.0,
+                   help="after winning an election: seconds to wait for nodes to report")  # fmt: skip
     m.add_argument("--log-level", default="info")
     m.set_defaults(func=_master)
     n = sub.add_parser("node", help="a storage node contributing memory")
-    n.add_argument("--master", required=True, help="HOST:PORT of the master")
+    n.add_argument(
+        "--master", required=True, help="HOST:PORT, or etcd://HOST:PORT to follow the leader"
+    )
     n.add_argument("--memory", default="512MiB")
     n.add_argument("--node-id", default=None)
     n.add_argument("--host", default="127.0.0.1", help="where its transfer server binds")

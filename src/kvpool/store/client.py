@@ -14,8 +14,9 @@ import logging
 import xxhash
 
 from kvpool.common.errors import KVPoolError, NotFoundError, TransferError
-from kvpool.common.rpc import RpcClient, error_from_body
+from kvpool.common.rpc import error_from_body
 from kvpool.config import TransferConfig
+from kvpool.store.link import MasterLink
 from kvpool.transfer import Op, TransferEngine, TransferRequest
 from kvpool.transfer.segment import byte_view
 
@@ -38,7 +39,7 @@ class StoreClient:
     ) -> None:
         self._own_engine = not isinstance(transfer, TransferEngine)
         self.engine = transfer if isinstance(transfer, TransferEngine) else TransferEngine(transfer)
-        self.master = RpcClient(master, token=token, timeout=timeout)
+        self.master = MasterLink(master, token=token, timeout=timeout)
         self.timeout = timeout
 
     # -- single ---------------------------------------------------------------------------------

@@ -13,8 +13,8 @@ import logging
 import threading
 
 from kvpool.common.errors import KVPoolError
-from kvpool.common.rpc import RpcClient
 from kvpool.config import TransferConfig
+from kvpool.store.link import MasterLink
 from kvpool.transfer import TransferEngine
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class StorageNode:
         self._own_engine = not isinstance(transfer, TransferEngine)
         self.engine = transfer if isinstance(transfer, TransferEngine) else TransferEngine(transfer)
         self.segment = self.engine.register(self.segment_name, size=memory)
-        self.master = RpcClient(master, token=token)
+        self.master = MasterLink(master, token=token, timeout=5.0)
         self.index: dict[str, tuple[int, int, int | None]] = {}  # key -> (offset, size, checksum)
         self._lock = threading.Lock()
         self._interval = heartbeat_interval

@@ -13,7 +13,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
-from kvpool.common.errors import KVPoolError, NotFoundError
+from kvpool.common.errors import KVPoolError, NoSpaceError, NotFoundError, UnavailableError
 from kvpool.common.rpc import RpcServer, rpc_method
 from kvpool.config import MasterConfig
 from kvpool.store.master.objects import ObjectMeta, ObjectState, Replica, Tier
@@ -61,10 +61,16 @@ class MasterService:
     """The RPC methods of the master (metadata only: values never pass through here)."""
 
     def __init__(
-        self, config: MasterConfig | None = None, clock: Callable[[], float] = time.monotonic
+        self,
+        config: MasterConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        rebuild_grace: float = 0.0,
     ) -> None:
         self.config = config or MasterConfig()
         self.state = _TrackedState(self.config, clock)
+        # A master elected after a fail-over starts empty: until the nodes have mounted again
+        # and reported, a miss may only mean "not reported yet", so answer "retry" instead.
+        self._rebuild_until = time.monotonic() + rebuild_grace
         self.lock = threading.Lock()
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="kvpool-master", daemon=True)
@@ -118,10 +124,21 @@ class MasterService:
 
     # -- objects --------------------------------------------------------------------------------
 
+    def _rebuilding(self) -> bool:
+        return time.monotonic() < self._rebuild_until
+
+    def _unavailable(self, exc: KVPoolError) -> KVPoolError:
+        if self._rebuilding() and isinstance(exc, NotFoundError | NoSpaceError):
+            return UnavailableError(f"master is rebuilding its table after a fail-over ({exc})")
+        return exc
+
     @rpc_method
     def put_start(self, key: str, size: int, replicas: int | None = None) -> dict:
         with self.lock:
-            return meta_to_wire(self.state.put_start(key, int(size), replicas))
+            try:
+                return meta_to_wire(self.state.put_start(key, int(size), replicas))
+            except NoSpaceError as exc:
+                raise self._unavailable(exc) from None
 
     @rpc_method
     def put_end(self, key: str, checksum: int | None = None) -> bool:
@@ -138,7 +155,10 @@ class MasterService:
     @rpc_method
     def get(self, key: str) -> dict:
         with self.lock:
-            return meta_to_wire(self.state.get(key), self.config.lease_ttl)
+            try:
+                return meta_to_wire(self.state.get(key), self.config.lease_ttl)
+            except NotFoundError as exc:
+                raise self._unavailable(exc) from None
 
     @rpc_method
     def batch_get(self, keys: list[str]) -> list[dict | None]:
@@ -181,7 +201,10 @@ class MasterService:
     @rpc_method
     def exists(self, key: str) -> bool:
         with self.lock:
-            return self.state.exists(key)
+            found = self.state.exists(key)
+        if not found and self._rebuilding():
+            raise UnavailableError("master is rebuilding its table after a fail-over")
+        return found
 
     @rpc_method
     def batch_exists(self, keys: list[str]) -> list[bool]:
