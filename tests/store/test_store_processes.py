@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -99,3 +100,41 @@ def test_master_and_node_stop_cleanly_without_shm_leftovers(cluster):
     assert nodes[0].stop(signal.SIGINT) == 0
     assert master.stop(signal.SIGTERM) == 0
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"kvpool-{pid}-")]
+
+
+def test_metrics_and_health_endpoints():
+    import urllib.request
+
+    from services import free_port
+
+    meta = MetadataServer()
+    mport, nport = free_port(), free_port()
+    master = Proc("store", "master", "--port", str(free_port()), "--metrics-port", str(mport))
+    node = Proc("store", "node", "--master", master.info["address"], "--memory", "16MiB",
+                "--node-id", "m-node", "--directory", meta.url, "--metrics-port", str(nport))  # fmt: skip
+    client = StoreClient(master.info["address"], TransferConfig(directory=meta.url))
+    try:
+        client.put("m1", b"x" * 5000)
+        client.get("m1")
+        with pytest.raises(NotFoundError):
+            client.get("m2")
+
+        def fetch(port: int, path: str) -> str:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+                return r.read().decode()
+
+        text = fetch(mport, "/metrics")
+        assert "kvpool_store_objects 1.0" in text
+        assert 'kvpool_store_capacity_bytes{tier="dram"} 1.6777216e+07' in text
+        assert "kvpool_store_hits_total 1.0" in text and "kvpool_store_misses_total 1.0" in text
+        assert json.loads(fetch(mport, "/health"))["status"] == "ok"
+        time.sleep(1.5)  # the node's index follows with its heartbeat
+        node_text = fetch(nport, "/metrics")
+        assert "kvpool_store_node_objects 1.0" in node_text
+        assert "kvpool_transfer_served_bytes_total" in node_text
+        assert json.loads(fetch(nport, "/health"))["objects"] == 1
+    finally:
+        client.close()
+        node.stop()
+        master.stop()
+        meta.close()

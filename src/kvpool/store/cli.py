@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 
 from kvpool.config import MasterConfig, TransferConfig, parse_size
 
@@ -42,11 +43,38 @@ def _master(args: argparse.Namespace) -> int:
         print(f"kvpool store master: {exc}", file=sys.stderr)
         service.close()
         return 1
-    print(json.dumps({"ready": True, "address": server.address}), flush=True)
+    metrics = _master_metrics(args, lambda: service)
+    ready = {"ready": True, "address": server.address, "metrics_port": _port(metrics)}
+    print(json.dumps(ready), flush=True)
     _wait_for_signal()
+    if metrics is not None:
+        metrics.close()
     server.close()
     service.close()
     return 0
+
+
+def _port(metrics) -> int | None:
+    return None if metrics is None else metrics.port
+
+
+def _master_metrics(args: argparse.Namespace, current: Callable[[], object | None]):
+    """``/metrics`` and ``/health`` of a master (``current()``: its service, None on standby)."""
+    if args.metrics_port is None:
+        return None
+    from kvpool.store.metrics import MasterCollector, MetricsServer
+
+    def stats() -> dict:
+        service = current()
+        return service.stats() if service is not None else {}
+
+    def health() -> dict:
+        service = current()
+        if service is None:
+            return {"status": "standby"}
+        return {"status": "ok", "role": "leader", **service.stats()}
+
+    return MetricsServer([MasterCollector(stats)], health, "127.0.0.1", args.metrics_port)
 
 
 def _master_ha(args: argparse.Namespace, config: MasterConfig, token: str | None) -> int:
@@ -70,11 +98,15 @@ def _master_ha(args: argparse.Namespace, config: MasterConfig, token: str | None
                 obj.close()
 
     election = LeaderElection(EtcdClient(args.etcd), address, elected, lost, ttl=args.leader_ttl)
-    print(json.dumps({"ready": True, "address": address, "role": "candidate"}), flush=True)
+    metrics = _master_metrics(args, lambda: live.get("service"))
+    ready = {"ready": True, "address": address, "role": "candidate", "metrics_port": _port(metrics)}
+    print(json.dumps(ready), flush=True)
     election.start()
     _wait_for_signal()
     election.close()
     lost()
+    if metrics is not None:
+        metrics.close()
     return 0
 
 
@@ -91,8 +123,21 @@ def _node(args: argparse.Namespace) -> int:
     except (ValueError, OSError, KVPoolError) as exc:
         print(f"kvpool store node: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps({"ready": True, "node_id": node_id, "segment": node.segment_name}), flush=True)
+    metrics = None
+    if args.metrics_port is not None:
+        from kvpool.store.metrics import MetricsServer, NodeCollector
+        from kvpool.transfer.metrics import TransferStatsCollector
+
+        collectors = [NodeCollector(node.stats), TransferStatsCollector(node.engine.stats.snapshot)]
+        metrics = MetricsServer(
+            collectors, lambda: {"status": "ok", **node.stats()}, "127.0.0.1", args.metrics_port
+        )
+    ready = {"ready": True, "node_id": node_id, "segment": node.segment_name,
+             "metrics_port": _port(metrics)}  # fmt: skip
+    print(json.dumps(ready), flush=True)
     _wait_for_signal()
+    if metrics is not None:
+        metrics.close()
     node.close()
     return 0
 
@@ -112,6 +157,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     m.add_argument("--leader-ttl", type=float, default=3.0, help="leader lease (seconds)")
     m.add_argument("--rebuild-grace", type=float, default=2.0,
                    help="after winning an election: seconds to wait for nodes to report")  # fmt: skip
+    m.add_argument("--metrics-port", type=int, default=None, help="serve /metrics and /health")
     m.add_argument("--log-level", default="info")
     m.set_defaults(func=_master)
     n = sub.add_parser("node", help="a storage node contributing memory")
@@ -122,5 +168,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     n.add_argument("--node-id", default=None)
     n.add_argument("--host", default="127.0.0.1", help="where its transfer server binds")
     n.add_argument("--directory", default="memory", help="segment directory URL")
+    n.add_argument("--metrics-port", type=int, default=None, help="serve /metrics and /health")
     n.add_argument("--log-level", default="info")
     n.set_defaults(func=_node)

@@ -78,6 +78,14 @@ class StorageNode:
             except KVPoolError as exc:
                 logger.warning("node %s: heartbeat failed: %s", self.node_id, exc)
 
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                "objects": len(self.index),
+                "bytes": sum(size for _, size, _ in self.index.values()),
+                "capacity": self.segment.size,
+            }
+
     def retarget(self, master: str) -> None:
         """Follow a new master (fail-over); the next heartbeat mounts and reports."""
         self.master.retarget(master)
