@@ -21,9 +21,38 @@ def _wait_for_signal() -> None:
     done.wait()
 
 
+_DEFAULTS: dict[str, dict] = {}  # role -> {dest: default}, to tell given flags from defaults
+
+
+def apply_config(args: argparse.Namespace, role: str) -> None:
+    """Fill flags not given on the command line from ``--config FILE`` (YAML: a mapping of
+    long flag names, e.g. ``memory: 2GiB``, ``high-watermark: 0.85``, ``etcd: 127.0.0.1:2379``)."""
+    if not args.config:
+        return
+    import yaml
+
+    with open(args.config) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{args.config}: expected a mapping of flag names to values")
+    defaults = _DEFAULTS[role]
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        if dest not in defaults or dest == "config":
+            raise ValueError(f"{args.config}: unknown setting {key!r} for kvpool store {role}")
+        if getattr(args, dest) == defaults[dest]:
+            setattr(args, dest, value)
+
+
 def _master(args: argparse.Namespace) -> int:
     from kvpool.common.log import setup_logging
     from kvpool.store.master.service import MasterService
+
+    try:
+        apply_config(args, "master")
+    except (OSError, ValueError) as exc:
+        print(f"kvpool store master: {exc}", file=sys.stderr)
+        return 2
 
     setup_logging(args.log_level)
     config = MasterConfig(
@@ -115,7 +144,16 @@ def _node(args: argparse.Namespace) -> int:
     from kvpool.common.log import setup_logging
     from kvpool.store.node import StorageNode
 
+    try:
+        apply_config(args, "node")
+    except (OSError, ValueError) as exc:
+        print(f"kvpool store node: {exc}", file=sys.stderr)
+        return 2
+
     setup_logging(args.log_level)
+    if not args.master:
+        print("kvpool store node: --master (or master: in --config) is required", file=sys.stderr)
+        return 2
     node_id = args.node_id or f"{socket.gethostname()}-{os.getpid()}"
     try:
         transfer = TransferConfig(host=args.host, directory=args.directory)
@@ -158,8 +196,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     m.add_argument("--rebuild-grace", type=float, default=2.0,
                    help="after winning an election: seconds to wait for nodes to report")  # fmt: skip
     m.add_argument("--metrics-port", type=int, default=None, help="serve /metrics and /health")
+    m.add_argument("--config", default=None, help="YAML file of these settings")
     m.add_argument("--log-level", default="info")
     m.set_defaults(func=_master)
+    _DEFAULTS["master"] = {a.dest: a.default for a in m._actions}
     n = sub.add_parser("node", help="a storage node contributing memory")
     n.add_argument(
         "--master", required=True, help="HOST:PORT, or etcd://HOST:PORT to follow the leader"
@@ -169,5 +209,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     n.add_argument("--host", default="127.0.0.1", help="where its transfer server binds")
     n.add_argument("--directory", default="memory", help="segment directory URL")
     n.add_argument("--metrics-port", type=int, default=None, help="serve /metrics and /health")
+    n.add_argument("--config", default=None, help="YAML file of these settings")
     n.add_argument("--log-level", default="info")
     n.set_defaults(func=_node)
+    _DEFAULTS["node"] = {a.dest: a.default for a in n._actions}
