@@ -202,7 +202,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     _DEFAULTS["master"] = {a.dest: a.default for a in m._actions}
     n = sub.add_parser("node", help="a storage node contributing memory")
     n.add_argument(
-        "--master", required=True, help="HOST:PORT, or etcd://HOST:PORT to follow the leader"
+        "--master", default=None, help="HOST:PORT, or etcd://HOST:PORT to follow the leader"
     )
     n.add_argument("--memory", default="512MiB")
     n.add_argument("--node-id", default=None)
