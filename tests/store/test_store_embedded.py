@@ -96,6 +96,29 @@ def test_node_index_follows_commits(store):
     deadline = time.monotonic() + 5
     while "idx" not in store.node.index and time.monotonic() < deadline:
         time.sleep(0.05)
-    offset, size, _ = store.node.index["idx"]
+    _, offset, size, _ = store.node.index["idx"]
     assert size == 3
     assert store.node.segment.array[offset : offset + 3].tobytes() == b"abc"
+
+
+def test_ssd_tier_offloads_and_promotes(tmp_path):
+    import time
+
+    cfg = MasterConfig(lease_ttl=0.05, cooldown=0.2, high_watermark=0.9, low_watermark=0.6)
+    store = EmbeddedStore("8MiB", cfg, ssd_path=str(tmp_path / "ssd"), ssd_size="64MiB")
+    try:
+        values = {f"s{i}": os.urandom(1 << 20) for i in range(24)}  # 24 MiB through 8 MiB DRAM
+        for k, v in values.items():
+            store.put(k, v)
+        stats = store.stats()
+        assert stats["offloads"] > 0 and stats["ssd_used_bytes"] > 0
+        assert stats["dram_used_bytes"] <= 8 << 20
+        time.sleep(0.3)  # past the cool-down and leases
+        for k, v in values.items():
+            assert store.get(k) == v  # from DRAM or SSD, byte for byte
+        assert store.stats()["promotions"] > 0
+        files = list((tmp_path / "ssd").iterdir())
+        assert len(files) == 1 and files[0].stat().st_size == 64 << 20
+    finally:
+        store.close()
+    assert not list((tmp_path / "ssd").iterdir())  # the tier's file goes with the node

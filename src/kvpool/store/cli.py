@@ -65,7 +65,7 @@ def _master(args: argparse.Namespace) -> int:
     token = os.environ.get("KVPOOL_AUTH_TOKEN") or None
     if args.etcd:
         return _master_ha(args, config, token)
-    service = MasterService(config)
+    service = MasterService(config, token=token)
     try:
         server = service.serve(args.host, args.port, token)
     except (ValueError, OSError) as exc:
@@ -116,7 +116,7 @@ def _master_ha(args: argparse.Namespace, config: MasterConfig, token: str | None
     live: dict = {}
 
     def elected() -> None:
-        live["service"] = MasterService(config, rebuild_grace=args.rebuild_grace)
+        live["service"] = MasterService(config, rebuild_grace=args.rebuild_grace, token=token)
         live["server"] = live["service"].serve(args.host, args.port, token)
         print(json.dumps({"leader": True, "address": address}), flush=True)
 
@@ -157,7 +157,14 @@ def _node(args: argparse.Namespace) -> int:
     node_id = args.node_id or f"{socket.gethostname()}-{os.getpid()}"
     try:
         transfer = TransferConfig(host=args.host, directory=args.directory)
-        node = StorageNode(node_id, args.master, parse_size(args.memory), transfer)
+        node = StorageNode(
+            node_id,
+            args.master,
+            parse_size(args.memory),
+            transfer,
+            ssd_path=args.ssd_path,
+            ssd_size=parse_size(args.ssd_size),
+        )
     except (ValueError, OSError, KVPoolError) as exc:
         print(f"kvpool store node: {exc}", file=sys.stderr)
         return 1
@@ -205,6 +212,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--master", default=None, help="HOST:PORT, or etcd://HOST:PORT to follow the leader"
     )
     n.add_argument("--memory", default="512MiB")
+    n.add_argument("--ssd-path", default=None, help="directory of the SSD tier (off if unset)")
+    n.add_argument("--ssd-size", default="0", help="SSD tier budget, e.g. 8GiB")
     n.add_argument("--node-id", default=None)
     n.add_argument("--host", default="127.0.0.1", help="where its transfer server binds")
     n.add_argument("--directory", default="memory", help="segment directory URL")

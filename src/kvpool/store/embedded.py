@@ -18,11 +18,20 @@ class EmbeddedStore(StoreClient):
         master_config: MasterConfig | None = None,
         transfer_config: TransferConfig | None = None,
         node_id: str = "embedded",
+        ssd_path: str | None = None,
+        ssd_size: int | str = 0,
     ) -> None:
         self.service = MasterService(master_config)
         self.server = self.service.serve()
         engine = TransferEngine(transfer_config)
-        self.node = StorageNode(node_id, self.server.address, parse_size(memory), engine)
+        self.node = StorageNode(
+            node_id,
+            self.server.address,
+            parse_size(memory),
+            engine,
+            ssd_path=ssd_path,
+            ssd_size=parse_size(ssd_size),
+        )
         super().__init__(self.server.address, engine)
         self._engine = engine
 

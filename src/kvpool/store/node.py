@@ -10,9 +10,13 @@ master), the node mounts again and reports its index, so the master rebuilds its
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
-from kvpool.common.errors import KVPoolError
+import numpy as np
+
+from kvpool.common.errors import BadRequestError, KVPoolError
+from kvpool.common.rpc import RpcServer
 from kvpool.config import TransferConfig
 from kvpool.store.link import MasterLink
 from kvpool.transfer import TransferEngine
@@ -31,6 +35,8 @@ class StorageNode:
         transfer: TransferEngine | TransferConfig | None = None,
         heartbeat_interval: float = 1.0,
         token: str | None = None,
+        ssd_path: str | None = None,
+        ssd_size: int = 0,
     ) -> None:
         if memory <= 0:
             raise ValueError("a node needs memory > 0 bytes")
@@ -39,8 +45,17 @@ class StorageNode:
         self._own_engine = not isinstance(transfer, TransferEngine)
         self.engine = transfer if isinstance(transfer, TransferEngine) else TransferEngine(transfer)
         self.segment = self.engine.register(self.segment_name, size=memory)
+        self.ssd = None
+        if ssd_path and ssd_size > 0:  # a file on the SSD, mapped: the OS pages it in and out
+            os.makedirs(ssd_path, exist_ok=True)
+            safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in node_id)
+            path = os.path.join(ssd_path, f"kvpool-{safe}-{os.getpid()}.ssd")
+            self.ssd = self.engine.register(f"{node_id}/ssd", size=ssd_size, path=path)
+        # the master asks this node to copy objects between its tiers
+        self.rpc = RpcServer({"copy": self.copy}, self.engine.config.host, 0, token).start()
         self.master = MasterLink(master, token=token, timeout=5.0)
-        self.index: dict[str, tuple[int, int, int | None]] = {}  # key -> (offset, size, checksum)
+        # key -> (segment, offset, size, checksum)
+        self.index: dict[str, tuple[str, int, int, int | None]] = {}
         self._lock = threading.Lock()
         self._interval = heartbeat_interval
         self._stop = threading.Event()
@@ -49,9 +64,13 @@ class StorageNode:
         self._thread.start()
 
     def _mount(self) -> None:
-        self.master.call("mount", self.node_id, self.segment_name, "dram", self.segment.size)
+        address = self.rpc.address
+        self.master.call("mount", self.node_id, self.segment_name, "dram", self.segment.size,
+                         address)  # fmt: skip
+        if self.ssd is not None:
+            self.master.call("mount", self.node_id, self.ssd.name, "ssd", self.ssd.size, address)
         with self._lock:
-            items = [[k, s, self.segment_name, o, c] for k, (o, s, c) in self.index.items()]
+            items = [[k, s, seg, o, c] for k, (seg, o, s, c) in self.index.items()]
         if items:
             adopted = self.master.call("report", self.node_id, items)
             logger.info(
@@ -65,11 +84,23 @@ class StorageNode:
             self._mount()
             return
         with self._lock:
-            for op, key, size, _segment, offset, checksum in reply["deltas"]:
+            for op, key, size, segment, offset, checksum in reply["deltas"]:
                 if op == "add":
-                    self.index[key] = (offset, size, checksum)
-                elif self.index.get(key, (None,))[0] == offset:
+                    self.index[key] = (segment, offset, size, checksum)
+                elif self.index.get(key, (None, None))[:2] == (segment, offset):
                     del self.index[key]
+
+    def copy(self, src: str, src_offset: int, dst: str, dst_offset: int, size: int) -> bool:
+        """Copy ``size`` bytes between two of this node's segments (a tier move)."""
+        a, b = self.engine.segment(src).array, self.engine.segment(dst).array
+        if (
+            min(src_offset, dst_offset, size) < 0
+            or src_offset + size > len(a)
+            or (dst_offset + size > len(b))
+        ):
+            raise BadRequestError("copy range outside the node's segments")
+        np.copyto(b[dst_offset : dst_offset + size], a[src_offset : src_offset + size])
+        return True
 
     def _beat_loop(self) -> None:
         while not self._stop.wait(self._interval):
@@ -82,8 +113,9 @@ class StorageNode:
         with self._lock:
             return {
                 "objects": len(self.index),
-                "bytes": sum(size for _, size, _ in self.index.values()),
+                "bytes": sum(size for _, _, size, _ in self.index.values()),
                 "capacity": self.segment.size,
+                "ssd_capacity": self.ssd.size if self.ssd is not None else 0,
             }
 
     def retarget(self, master: str) -> None:
@@ -94,7 +126,10 @@ class StorageNode:
         self._stop.set()
         self._thread.join(timeout=5)
         self.master.close()
+        self.rpc.close()
         if self._own_engine:
             self.engine.close()
-        else:
-            self.engine.unregister(self.segment_name)
+            return
+        self.engine.unregister(self.segment_name)
+        if self.ssd is not None:
+            self.engine.unregister(self.ssd.name)

@@ -85,11 +85,17 @@ class TransferEngine:
     # -- segments (owned by self.segments) ----------------------------------------------------
 
     def register(
-        self, name: str, buffer: object = None, *, size: int | None = None, shared: bool = True
+        self,
+        name: str,
+        buffer: object = None,
+        *,
+        size: int | None = None,
+        shared: bool = True,
+        path: str | None = None,
     ) -> Segment:
         """Register memory under a cluster-wide ``name`` and publish it (see
-        ``SegmentRegistry.register``)."""
-        return self.segments.register(name, buffer, size=size, shared=shared)
+        ``SegmentRegistry.register``; ``path``: map that file, e.g. an SSD tier)."""
+        return self.segments.register(name, buffer, size=size, shared=shared, path=path)
 
     def unregister(self, name: str) -> None:
         self.segments.unregister(name)

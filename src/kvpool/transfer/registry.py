@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -37,7 +38,13 @@ class SegmentRegistry:
         self._next_id = 1
 
     def register(
-        self, name: str, buffer: object = None, *, size: int | None = None, shared: bool = True
+        self,
+        name: str,
+        buffer: object = None,
+        *,
+        size: int | None = None,
+        shared: bool = True,
+        path: str | None = None,
     ) -> Segment:
         """Register memory under a cluster-wide ``name`` and publish it.
 
@@ -51,7 +58,12 @@ class SegmentRegistry:
         if buffer is None:
             if size is None or size <= 0:
                 raise BadRequestError("register() needs a buffer or a size > 0")
-            if shared:
+            if path is not None:  # a file (e.g. on an SSD) mapped like shared memory
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                region = SharedRegion(os.path.abspath(path), size, create=True)
+                view = memoryview(region.mmap)
+            elif shared:
                 region = SharedRegion(new_shm_name(name), size, create=True)
                 view = memoryview(region.mmap)
             else:

@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from kvpool.common.errors import KVPoolError, NoSpaceError, NotFoundError, UnavailableError
-from kvpool.common.rpc import RpcServer, rpc_method
+from kvpool.common.rpc import RpcClient, RpcServer, rpc_method
 from kvpool.config import MasterConfig
 from kvpool.store.master.objects import ObjectMeta, ObjectState, Replica, Tier
 from kvpool.store.master.state import MasterState
@@ -52,6 +52,15 @@ class _TrackedState(MasterState):
             self.deltas[r.node_id].append(["del", meta.key, 0, r.segment, r.offset, None])
         super()._delete(meta)
 
+    def on_move(self, meta: ObjectMeta, old: Replica, new: Replica | None) -> None:
+        if meta.state is not ObjectState.COMPLETE:
+            return
+        self.deltas[old.node_id].append(["del", meta.key, 0, old.segment, old.offset, None])
+        if new is not None:
+            self.deltas[new.node_id].append(
+                ["add", meta.key, meta.size, new.segment, new.offset, meta.checksum]
+            )
+
     def drop_node(self, node_id: str) -> list[str]:
         self.deltas.pop(node_id, None)
         return super().drop_node(node_id)
@@ -65,12 +74,17 @@ class MasterService:
         config: MasterConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         rebuild_grace: float = 0.0,
+        token: str | None = None,
     ) -> None:
         self.config = config or MasterConfig()
         self.state = _TrackedState(self.config, clock)
         # A master elected after a fail-over starts empty: until the nodes have mounted again
         # and reported, a miss may only mean "not reported yet", so answer "retry" instead.
         self._rebuild_until = time.monotonic() + rebuild_grace
+        self._node_addresses: dict[str, str] = {}
+        self._node_clients: dict[str, RpcClient] = {}
+        self._token = token
+        self.state.mover = self._move
         self.lock = threading.Lock()
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="kvpool-master", daemon=True)
@@ -79,6 +93,8 @@ class MasterService:
     def close(self) -> None:
         self._stop.set()
         self._ticker.join(timeout=5)
+        for client in self._node_clients.values():
+            client.close()
 
     def _tick_loop(self) -> None:
         while not self._stop.wait(0.5):
@@ -92,10 +108,30 @@ class MasterService:
     # -- nodes ----------------------------------------------------------------------------------
 
     @rpc_method
-    def mount(self, node_id: str, segment: str, tier: str, capacity: int) -> bool:
+    def mount(
+        self, node_id: str, segment: str, tier: str, capacity: int, address: str | None = None
+    ) -> bool:
+        """A node offers a segment; ``address``: its RPC server (for tier moves)."""
         with self.lock:
             self.state.mount(node_id, segment, Tier(tier), int(capacity))
+            if address:
+                self._node_addresses[node_id] = address
         return True
+
+    def _move(self, src: Replica, dst: Replica, size: int) -> bool:
+        """The node copies between its tiers (called with the lock held; a few ms at most)."""
+        address = self._node_addresses.get(src.node_id)
+        if address is None or src.node_id != dst.node_id:
+            return False
+        client = self._node_clients.get(address)
+        if client is None:
+            client = self._node_clients[address] = RpcClient(address, self._token, timeout=10)
+        try:
+            return bool(client.call("copy", src.segment, src.offset, dst.segment, dst.offset,
+                                    size))  # fmt: skip
+        except KVPoolError as exc:
+            logger.warning("master: moving %d bytes on %s failed: %s", size, src.node_id, exc)
+            return False
 
     @rpc_method
     def heartbeat(self, node_id: str) -> dict:
@@ -111,7 +147,9 @@ class MasterService:
         adopted = 0
         with self.lock:
             for key, size, segment, offset, checksum in objects:
-                replica = Replica(node_id, segment, int(offset), Tier.DRAM)
+                mounted = self.state.segments.get(segment)
+                tier = mounted.tier if mounted is not None else Tier.DRAM
+                replica = Replica(node_id, segment, int(offset), tier)
                 meta = self.state.objects.get(key)
                 if meta is not None and any(r.segment == segment for r in meta.replicas):
                     continue
@@ -227,11 +265,14 @@ class MasterService:
     def stats(self) -> dict:
         with self.lock:
             used, cap = self.state.usage(Tier.DRAM)
+            ssd_used, ssd_cap = self.state.usage(Tier.SSD)
             return {
                 "objects": len(self.state.objects),
                 "nodes": len(self.state.nodes),
                 "dram_used_bytes": used,
                 "dram_capacity_bytes": cap,
+                "ssd_used_bytes": ssd_used,
+                "ssd_capacity_bytes": ssd_cap,
                 **self.state.counters,
             }
 

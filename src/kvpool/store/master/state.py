@@ -28,6 +28,7 @@ from kvpool.common.errors import (
     NotFoundError,
 )
 from kvpool.config import MasterConfig
+from kvpool.store.master import tiering
 from kvpool.store.master.allocator import OffsetAllocator
 from kvpool.store.master.objects import ObjectMeta, ObjectState, Replica, Tier
 
@@ -61,8 +62,12 @@ class MasterState:
         self.segments: dict[str, MountedSegment] = {}
         self.nodes: dict[str, Node] = {}
         self.counters: dict[str, int] = dict.fromkeys(
-            ("puts", "gets", "hits", "misses", "evictions", "revokes", "lease_conflicts"), 0
-        )
+            ("puts", "gets", "hits", "misses", "evictions", "revokes", "lease_conflicts",
+             "offloads", "promotions"),
+            0,
+        )  # fmt: skip
+        # copies bytes between two replicas on one node (DRAM <-> SSD); None: no tiering
+        self.mover: Callable[[Replica, Replica, int], bool] | None = None
 
     # -- nodes and segments ---------------------------------------------------------------------
 
@@ -163,6 +168,7 @@ class MasterState:
             self.counters["misses"] += 1
             raise NotFoundError(f"key {key!r} not found")
         now = self.clock()
+        tiering.promote(self, meta, now)  # before the lease: nobody reads the old copy then
         meta.lease_until = max(meta.lease_until, now + self.config.lease_ttl)
         meta.touch(now, self.config.half_life)
         self.counters["hits"] += 1
@@ -261,7 +267,11 @@ class MasterState:
             if used <= target:
                 break
             used -= meta.size * len(meta.replicas_on(tier))
-            self._delete(meta)
+            if tier is Tier.DRAM and self.mover is not None:
+                if not tiering.offload(self, meta, now):
+                    self._delete(meta)
+            else:
+                self._delete(meta)
             evicted.append(meta.key)
         self.counters["evictions"] += len(evicted)
         return evicted
@@ -284,6 +294,25 @@ class MasterState:
         if meta is None or meta.state is not ObjectState.PROCESSING:
             raise NotFoundError(f"no put in progress for key {key!r}")
         return meta
+
+    def on_move(self, meta: ObjectMeta, old: Replica, new: Replica) -> None:
+        """A replica moved between tiers (the service tells the node)."""
+
+    def free_replica(self, replica: Replica) -> None:
+        seg = self.segments.get(replica.segment)
+        if seg is not None:
+            seg.allocator.free(replica.offset)
+
+    def drop_replicas(self, meta: ObjectMeta, segment: str) -> None:
+        """Drop ``meta``'s replicas in ``segment``; the object goes with its last replica."""
+        gone = [r for r in meta.replicas if r.segment == segment]
+        if len(gone) == len(meta.replicas):
+            self._delete(meta)
+            return
+        for r in gone:
+            self.free_replica(r)
+            self.on_move(meta, r, None)
+        meta.replicas = [r for r in meta.replicas if r.segment != segment]
 
     def _delete(self, meta: ObjectMeta) -> None:
         for r in meta.replicas:

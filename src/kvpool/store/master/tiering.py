@@ -1,0 +1,91 @@
+"""DRAM <-> SSD moves decided by the master and carried out by the node holding both tiers.
+
+An object evicted from a node's DRAM is offloaded to that node's SSD tier (when it has one,
+making room there by dropping its coldest SSD objects) instead of being dropped; a get of an
+object that lives only on SSD promotes it back to DRAM on the same node when there is room.
+A moved object cools down for ``config.cooldown`` seconds: it is neither evicted nor promoted
+again before then, so a hot-cold-hot pattern cannot make it bounce. The copy itself is the
+``mover`` callback (the node's RPC); if it fails, the object simply stays where it was
+(promotion) or is dropped (offload).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvpool.store.master.objects import ObjectMeta, ObjectState, Replica, Tier
+
+if TYPE_CHECKING:
+    from kvpool.store.master.state import MasterState, MountedSegment
+
+
+def segment_of(state: MasterState, node_id: str, tier: Tier) -> MountedSegment | None:
+    for seg in state.segments.values():
+        if seg.node_id == node_id and seg.tier is tier:
+            return seg
+    return None
+
+
+def offload(state: MasterState, meta: ObjectMeta, now: float) -> bool:
+    """Move ``meta``'s DRAM replicas to SSD on their nodes; False if it had to be dropped."""
+    kept = [r for r in meta.replicas if r.tier is not Tier.DRAM]
+    for src in meta.replicas_on(Tier.DRAM):
+        dst = _ssd_space(state, src.node_id, meta.size, exclude=meta.key)
+        if dst is not None and state.mover is not None and state.mover(src, dst, meta.size):
+            kept.append(dst)
+            state.on_move(meta, src, dst)
+        elif dst is not None:
+            state.segments[dst.segment].allocator.free(dst.offset)
+        state.free_replica(src)
+    meta.replicas = kept
+    meta.cooldown_until = now + state.config.cooldown
+    if kept:
+        state.counters["offloads"] += 1
+    return bool(kept)
+
+
+def promote(state: MasterState, meta: ObjectMeta, now: float) -> None:
+    """Bring an SSD-only object back to DRAM (same node) if nothing stands in the way."""
+    if state.mover is None or meta.replicas_on(Tier.DRAM) or meta.cooldown_until > now:
+        return
+    if meta.leased(now):  # another reader may be reading the SSD copy right now
+        return
+    for src in meta.replicas_on(Tier.SSD):
+        dram = segment_of(state, src.node_id, Tier.DRAM)
+        offset = dram.allocator.allocate(meta.size) if dram is not None else None
+        if offset is None:
+            continue
+        dst = Replica(src.node_id, dram.name, offset, Tier.DRAM)
+        if not state.mover(src, dst, meta.size):
+            dram.allocator.free(offset)
+            continue
+        meta.replicas = [dst if r is src else r for r in meta.replicas]
+        state.free_replica(src)
+        state.on_move(meta, src, dst)
+        meta.cooldown_until = now + state.config.cooldown
+        state.counters["promotions"] += 1
+        return
+
+
+def _ssd_space(state: MasterState, node_id: str, size: int, exclude: str) -> Replica | None:
+    """An SSD range on ``node_id``, dropping that node's coldest SSD objects if needed."""
+    ssd = segment_of(state, node_id, Tier.SSD)
+    if ssd is None or size > ssd.allocator.capacity:
+        return None
+    offset = ssd.allocator.allocate(size)
+    if offset is None:
+        now = state.clock()
+        victims = sorted(
+            (
+                m for m in state.objects.values()
+                if m.key != exclude and m.state is ObjectState.COMPLETE and not m.leased(now)
+                and any(r.segment == ssd.name for r in m.replicas)
+            ),
+            key=lambda m: (m.pinned, m.heat(now, state.config.half_life), m.last_access),
+        )  # fmt: skip
+        for victim in victims:
+            state.drop_replicas(victim, ssd.name)
+            offset = ssd.allocator.allocate(size)
+            if offset is not None:
+                break
+    return None if offset is None else Replica(node_id, ssd.name, offset, Tier.SSD)
