@@ -128,6 +128,7 @@ def test_metrics_and_health_endpoints():
         assert 'kvpool_store_capacity_bytes{tier="dram"} 1.6777216e+07' in text
         assert "kvpool_store_hits_total 1.0" in text and "kvpool_store_misses_total 1.0" in text
         assert json.loads(fetch(mport, "/health"))["status"] == "ok"
+        assert "kvpool_rpc_latency_seconds_count" in text and "kvpool_rpc_calls_total" in text
         time.sleep(1.5)  # the node's index follows with its heartbeat
         node_text = fetch(nport, "/metrics")
         assert "kvpool_store_node_objects 1.0" in node_text

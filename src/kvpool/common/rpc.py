@@ -22,6 +22,7 @@ after a timeout it replaces its socket, so a late reply never answers a later ca
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import functools
 import hmac
@@ -136,6 +137,35 @@ def _signature(fn: Callable) -> inspect.Signature | None:
         return None
 
 
+LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                   0.1, 0.25, 0.5, 1.0, 2.5, 5.0)  # fmt: skip
+
+
+class LatencyHistogram:
+    """Cumulative bucket counts (Prometheus style), cheap enough for every call."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.total = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, seconds: float) -> None:
+        i = bisect.bisect_left(LATENCY_BUCKETS, seconds)
+        with self._lock:
+            self.counts[i] += 1
+            self.total += seconds
+
+    def buckets(self) -> tuple[list[tuple[str, int]], float]:
+        """``([(le, cumulative count), ..., ("+Inf", n)], sum)``."""
+        with self._lock:
+            counts, total = list(self.counts), self.total
+        out, running = [], 0
+        for bound, n in zip((*LATENCY_BUCKETS, None), counts, strict=True):
+            running += n
+            out.append(("+Inf" if bound is None else repr(bound), running))
+        return out, total
+
+
 class RpcServer:
     """Serve a name -> callable dict, or the @rpc_method methods of an object, on a ROUTER.
 
@@ -172,6 +202,7 @@ class RpcServer:
         self.port = int(self._sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
         self.address = f"{_url_host(host)}:{self.port}"
         self.stats = {"calls": 0, "errors": 0, "malformed": 0}
+        self.latency = LatencyHistogram()  # handler time of successful calls
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -304,8 +335,10 @@ class RpcServer:
         return _Request(rid, method, self._methods[method], args, kwargs)
 
     def _execute(self, req: _Request) -> bytes:
+        t0 = time.perf_counter()
         try:
             data = pack([req.request_id, True, req.fn(*req.args, **req.kwargs)])
+            self.latency.observe(time.perf_counter() - t0)
             if len(data) <= self._max_size:
                 return data
             error: KVPoolError = KVPoolError(f"result of {req.method} exceeds the message limit")

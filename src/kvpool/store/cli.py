@@ -72,7 +72,7 @@ def _master(args: argparse.Namespace) -> int:
         print(f"kvpool store master: {exc}", file=sys.stderr)
         service.close()
         return 1
-    metrics = _master_metrics(args, lambda: service)
+    metrics = _master_metrics(args, lambda: service, lambda: server)
     ready = {"ready": True, "address": server.address, "metrics_port": _port(metrics)}
     print(json.dumps(ready), flush=True)
     _wait_for_signal()
@@ -87,11 +87,15 @@ def _port(metrics) -> int | None:
     return None if metrics is None else metrics.port
 
 
-def _master_metrics(args: argparse.Namespace, current: Callable[[], object | None]):
+def _master_metrics(
+    args: argparse.Namespace,
+    current: Callable[[], object | None],
+    rpc_server: Callable[[], object | None],
+):
     """``/metrics`` and ``/health`` of a master (``current()``: its service, None on standby)."""
     if args.metrics_port is None:
         return None
-    from kvpool.store.metrics import MasterCollector, MetricsServer
+    from kvpool.store.metrics import MasterCollector, MetricsServer, RpcCollector
 
     def stats() -> dict:
         service = current()
@@ -103,7 +107,8 @@ def _master_metrics(args: argparse.Namespace, current: Callable[[], object | Non
             return {"status": "standby"}
         return {"status": "ok", "role": "leader", **service.stats()}
 
-    return MetricsServer([MasterCollector(stats)], health, "127.0.0.1", args.metrics_port)
+    collectors = [MasterCollector(stats), RpcCollector(rpc_server)]
+    return MetricsServer(collectors, health, "127.0.0.1", args.metrics_port)
 
 
 def _master_ha(args: argparse.Namespace, config: MasterConfig, token: str | None) -> int:
@@ -127,7 +132,7 @@ def _master_ha(args: argparse.Namespace, config: MasterConfig, token: str | None
                 obj.close()
 
     election = LeaderElection(EtcdClient(args.etcd), address, elected, lost, ttl=args.leader_ttl)
-    metrics = _master_metrics(args, lambda: live.get("service"))
+    metrics = _master_metrics(args, lambda: live.get("service"), lambda: live.get("server"))
     ready = {"ready": True, "address": address, "role": "candidate", "metrics_port": _port(metrics)}
     print(json.dumps(ready), flush=True)
     election.start()

@@ -12,7 +12,12 @@ from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
@@ -39,6 +44,25 @@ class MasterCollector(Collector):
         yield cap
         for name in COUNTERS:
             yield CounterMetricFamily(f"kvpool_store_{name}", f"Store {name}", s.get(name, 0))
+
+
+class RpcCollector(Collector):
+    """Calls, errors and handler latency of an ``RpcServer`` (``current()``, None: not serving)."""
+
+    def __init__(self, current: Callable[[], object | None]) -> None:
+        self._current = current
+
+    def collect(self) -> Iterator[Metric]:
+        server = self._current()
+        if server is None:
+            return
+        stats = server.stats
+        for name in ("calls", "errors", "malformed"):
+            yield CounterMetricFamily(f"kvpool_rpc_{name}", f"RPC {name}", stats.get(name, 0))
+        buckets, total = server.latency.buckets()
+        hist = HistogramMetricFamily("kvpool_rpc_latency_seconds", "RPC handler time per call")
+        hist.add_metric([], buckets, sum_value=total)
+        yield hist
 
 
 class NodeCollector(Collector):
