@@ -2,5 +2,6 @@
 
 from kvpool.store.client import StoreClient
 from kvpool.store.embedded import EmbeddedStore
+from kvpool.store.mooncake_compat import MooncakeDistributedStore
 
-__all__ = ["EmbeddedStore", "StoreClient"]
+__all__ = ["EmbeddedStore", "MooncakeDistributedStore", "StoreClient"]

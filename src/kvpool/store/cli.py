@@ -14,11 +14,13 @@ from collections.abc import Callable
 from kvpool.config import MasterConfig, TransferConfig, parse_size
 
 
-def _wait_for_signal() -> None:
+def _stop_event() -> threading.Event:
+    """Set by SIGINT/SIGTERM; install it before saying "ready" (a signal right after the ready
+    line must stop the process cleanly, not kill it)."""
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
-    done.wait()
+    return done
 
 
 _DEFAULTS: dict[str, dict] = {}  # role -> {dest: default}, to tell given flags from defaults
@@ -74,8 +76,9 @@ def _master(args: argparse.Namespace) -> int:
         return 1
     metrics = _master_metrics(args, lambda: service, lambda: server)
     ready = {"ready": True, "address": server.address, "metrics_port": _port(metrics)}
+    stop = _stop_event()
     print(json.dumps(ready), flush=True)
-    _wait_for_signal()
+    stop.wait()
     if metrics is not None:
         metrics.close()
     server.close()
@@ -134,9 +137,10 @@ def _master_ha(args: argparse.Namespace, config: MasterConfig, token: str | None
     election = LeaderElection(EtcdClient(args.etcd), address, elected, lost, ttl=args.leader_ttl)
     metrics = _master_metrics(args, lambda: live.get("service"), lambda: live.get("server"))
     ready = {"ready": True, "address": address, "role": "candidate", "metrics_port": _port(metrics)}
+    stop = _stop_event()
     print(json.dumps(ready), flush=True)
     election.start()
-    _wait_for_signal()
+    stop.wait()
     election.close()
     lost()
     if metrics is not None:
@@ -184,8 +188,9 @@ def _node(args: argparse.Namespace) -> int:
         )
     ready = {"ready": True, "node_id": node_id, "segment": node.segment_name,
              "metrics_port": _port(metrics)}  # fmt: skip
+    stop = _stop_event()
     print(json.dumps(ready), flush=True)
-    _wait_for_signal()
+    stop.wait()
     if metrics is not None:
         metrics.close()
     node.close()

@@ -39,8 +39,9 @@ def _metadata(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"kvpool transfer metadata: {exc}", file=sys.stderr)
         return 1
+    done = _exit_event()
     print(json.dumps({"ready": True, "url": server.url}), flush=True)
-    _wait_for_exit()
+    done.wait()
     server.close()
     return 0
 
@@ -61,8 +62,8 @@ def _peer(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         _serve_metrics(engine, args.metrics_port)
     ready = {"ready": True, "segment": seg.name, "size": seg.size, "port": engine.port}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # before "ready": no kill race
     print(json.dumps(ready), flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         for line in sys.stdin:
             reply = _command(seg.array, line.split())
@@ -101,11 +102,11 @@ def _serve_metrics(engine, port: int) -> None:
     start_http_server(port, addr="127.0.0.1", registry=registry)
 
 
-def _wait_for_exit() -> None:
+def _exit_event() -> threading.Event:
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
-    done.wait()
+    return done
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
