@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from fake_clock import Clock
 
 from kvpool.common.errors import (
     AlreadyExistsError,
@@ -16,14 +17,6 @@ from kvpool.store.master.objects import ObjectState, Replica, Tier
 from kvpool.store.master.state import MasterState
 
 KiB = 1024
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @pytest.fixture

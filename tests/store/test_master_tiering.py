@@ -5,20 +5,13 @@ from __future__ import annotations
 import os
 
 import pytest
+from fake_clock import Clock
 
 from kvpool.config import MasterConfig
 from kvpool.store.master.objects import Replica, Tier
 from kvpool.store.master.state import MasterState
 
 KiB = 1024
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class Memories:
