@@ -10,7 +10,7 @@ import time
 import pytest
 from store_procs import Proc
 
-from kvpool.common.errors import NotFoundError
+from kvpool.common.errors import BadRequestError, NotFoundError
 from kvpool.config import TransferConfig
 from kvpool.store import StoreClient
 from kvpool.transfer.metadata_server import MetadataServer
@@ -139,3 +139,33 @@ def test_metrics_and_health_endpoints():
         node.stop()
         master.stop()
         meta.close()
+
+
+def test_garbage_rpc_frames_never_crash_the_master(cluster):
+    import socket
+
+    import zmq
+
+    master, _, client = cluster(replicas=1, nodes=1)
+    host, port = master.info["address"].rsplit(":", 1)
+    ctx = zmq.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://{host}:{port}")
+    for junk in (b"", b"\xff" * 100, b"\x93\x01\x02", os.urandom(5000)):
+        dealer.send(junk)
+    dealer.close()
+    with socket.create_connection((host, int(port)), timeout=5) as raw:
+        raw.sendall(os.urandom(4096))  # not even ZMTP
+    from kvpool.common.rpc import RpcClient
+
+    with RpcClient(master.info["address"], timeout=5) as rpc:
+        with pytest.raises(BadRequestError, match="unknown method"):
+            rpc.call("no_such_method")
+        with pytest.raises(BadRequestError, match="size must be an integer"):
+            rpc.call("put_start", "k", "not a size")
+        with pytest.raises(BadRequestError, match="key"):
+            rpc.call("put_start", 12, 100)
+    client.put("still-alive", b"ok")  # the master still serves
+    assert client.get("still-alive") == b"ok"
+    assert master.proc.poll() is None

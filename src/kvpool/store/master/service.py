@@ -13,7 +13,13 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
-from kvpool.common.errors import KVPoolError, NoSpaceError, NotFoundError, UnavailableError
+from kvpool.common.errors import (
+    BadRequestError,
+    KVPoolError,
+    NoSpaceError,
+    NotFoundError,
+    UnavailableError,
+)
 from kvpool.common.rpc import RpcClient, RpcServer, rpc_method
 from kvpool.config import MasterConfig
 from kvpool.store.master.objects import ObjectMeta, ObjectState, Replica, Tier
@@ -30,6 +36,24 @@ def meta_to_wire(meta: ObjectMeta, lease_ttl: float = 0.0) -> dict:
         "checksum": meta.checksum,
         "lease_ttl": lease_ttl,
     }
+
+
+def _int(value: object, name: str) -> int:
+    """An integer argument from the wire (bad input is a 400, never an internal error)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequestError(f"{name} must be an integer, got {type(value).__name__}")
+    return value
+
+
+def _tier(value: object) -> Tier:
+    try:
+        return Tier(value)
+    except ValueError as exc:
+        raise BadRequestError(f"tier must be one of {[t.value for t in Tier]}") from exc
+
+
+def _replicas(value: object) -> int | None:
+    return None if value is None else _int(value, "replicas")
 
 
 class _TrackedState(MasterState):
@@ -113,7 +137,7 @@ class MasterService:
     ) -> bool:
         """A node offers a segment; ``address``: its RPC server (for tier moves)."""
         with self.lock:
-            self.state.mount(node_id, segment, Tier(tier), int(capacity))
+            self.state.mount(node_id, segment, Tier(tier), _int(capacity, "capacity"))
             if address:
                 self._node_addresses[node_id] = address
         return True
@@ -149,12 +173,12 @@ class MasterService:
             for key, size, segment, offset, checksum in objects:
                 mounted = self.state.segments.get(segment)
                 tier = mounted.tier if mounted is not None else Tier.DRAM
-                replica = Replica(node_id, segment, int(offset), tier)
+                replica = Replica(node_id, segment, _int(offset, "offset"), tier)
                 meta = self.state.objects.get(key)
                 if meta is not None and any(r.segment == segment for r in meta.replicas):
                     continue
                 try:
-                    self.state.adopt(node_id, key, int(size), replica, checksum)
+                    self.state.adopt(node_id, key, _int(size, "size"), replica, checksum)
                     adopted += 1
                 except (KVPoolError, ValueError, KeyError) as exc:
                     logger.warning("master: cannot adopt %s from %s: %s", key, node_id, exc)
@@ -174,7 +198,7 @@ class MasterService:
     def put_start(self, key: str, size: int, replicas: int | None = None) -> dict:
         with self.lock:
             try:
-                return meta_to_wire(self.state.put_start(key, int(size), replicas))
+                return meta_to_wire(self.state.put_start(key, _int(size, "size"), replicas))
             except NoSpaceError as exc:
                 raise self._unavailable(exc) from None
 
@@ -218,7 +242,9 @@ class MasterService:
         with self.lock:
             for key, size in items:
                 try:
-                    out.append(meta_to_wire(self.state.put_start(key, int(size), replicas)))
+                    out.append(
+                        meta_to_wire(self.state.put_start(key, _int(size, "size"), replicas))
+                    )
                 except KVPoolError as exc:
                     out.append({"error": error_body(exc)})
         return out
