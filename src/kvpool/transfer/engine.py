@@ -260,7 +260,8 @@ class TransferEngine:
 
     def _finished(self, ops: list[PendingOp]) -> None:
         """Completion hook of finished ops: deadlines, in-flight room, stats (batched)."""
-        self._reaper.discard(ops)
+        if ops[0].reaper_key or len(ops) > 1:
+            self._reaper.discard(ops)
         releases: dict[int, list] = {}
         now = time.monotonic()
         done = []

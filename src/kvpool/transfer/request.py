@@ -168,6 +168,13 @@ def finish_ops(ops: list[PendingOp]) -> None:
     """Completion hooks of ops that just finished: the engine's once per hook, each batch's
     counter once per handle (a train of replies costs a few lock round trips, not one per op)."""
     hook = ops[0].on_finish
+    if len(ops) == 1:  # the common synchronous case: no grouping
+        if hook is not None:
+            hook(ops)
+        handle = ops[0]._handle
+        if handle is not None:
+            handle._ops_finished(1)
+        return
     if all(op.on_finish is hook for op in ops):
         if hook is not None:
             hook(ops)

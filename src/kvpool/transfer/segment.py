@@ -127,6 +127,12 @@ def pid_alive(pid: int) -> bool:
 
 def byte_view(buf: object, *, writable: bool) -> memoryview:
     """A flat, C-contiguous ``uint8`` memoryview of a buffer, numpy array or CPU tensor."""
+    if type(buf) is np.ndarray and buf.dtype == np.uint8 and buf.ndim == 1:  # the hot case
+        if not buf.flags.c_contiguous:
+            raise BadRequestError("buffer must be C-contiguous")
+        if writable and not buf.flags.writeable:
+            raise BadRequestError("buffer is read-only but the transfer writes into it")
+        return memoryview(buf)
     if hasattr(buf, "untyped_storage") and hasattr(buf, "is_contiguous"):  # torch.Tensor
         if buf.device.type != "cpu" or not buf.is_contiguous():  # type: ignore[attr-defined]
             raise BadRequestError("a tensor buffer must be a contiguous CPU tensor")
