@@ -103,7 +103,7 @@ class StoreClient:
             for r in meta["replicas"]:
                 reqs.append(TransferRequest(Op.WRITE, view, r["segment"], r["offset"]))
                 owners.append(i)
-        statuses = self.engine.submit(reqs, timeout=self.timeout).wait() if reqs else []
+        statuses = self.engine.transfer_statuses(reqs, self.timeout) if reqs else []
         for i, status in zip(owners, statuses, strict=True):
             if not status.ok and results[i] is None:
                 results[i] = status.error
@@ -176,7 +176,7 @@ class StoreClient:
             )
             for i, m in picks
         ]
-        statuses = self.engine.submit(reqs, timeout=self.timeout).wait() if reqs else []
+        statuses = self.engine.transfer_statuses(reqs, self.timeout) if reqs else []
         ok = [False] * len(metas)
         for (i, m), status in zip(picks, statuses, strict=True):
             if status.ok and (m["checksum"] is None or checksum(views[i]) == m["checksum"]):

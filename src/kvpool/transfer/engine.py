@@ -192,13 +192,24 @@ class TransferEngine:
     ) -> list[TransferStatus]:
         """Submit and wait; raise the first failure (a ``KVPoolError``). The calling thread
         receives its own replies where it can (fewer thread hand-offs than submit + wait)."""
+        handle = self._run(requests, timeout)
+        statuses = handle.wait()
+        handle.raise_for_status()
+        return statuses
+
+    def transfer_statuses(
+        self, requests: Iterable[TransferRequest], timeout: float | None = None
+    ) -> list[TransferStatus]:
+        """``transfer`` without raising: every request's status (for batches where some may
+        fail on their own)."""
+        return self._run(requests, timeout).wait()
+
+    def _run(self, requests: Iterable[TransferRequest], timeout: float | None) -> BatchHandle:
         handle = self._submit(requests, True, timeout, sync=True)
         if not handle.done():
             for name in {op.transport for op in handle._ops}:
                 self._transports[name].drive(handle)
-        statuses = handle.wait()
-        handle.raise_for_status()
-        return statuses
+        return handle
 
     def read(self, local, remote: str, remote_offset: int = 0, **kw) -> int:
         """READ ``remote`` into ``local``; the number of bytes moved (raises on failure)."""
