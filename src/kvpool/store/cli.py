@@ -46,16 +46,22 @@ def apply_config(args: argparse.Namespace, role: str) -> None:
             setattr(args, dest, value)
 
 
+def _configured(args: argparse.Namespace, role: str) -> bool:
+    """``apply_config``, reporting a bad file on stderr (False: exit 2)."""
+    try:
+        apply_config(args, role)
+    except (OSError, ValueError) as exc:
+        print(f"kvpool store {role}: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
 def _master(args: argparse.Namespace) -> int:
     from kvpool.common.log import setup_logging
     from kvpool.store.master.service import MasterService
 
-    try:
-        apply_config(args, "master")
-    except (OSError, ValueError) as exc:
-        print(f"kvpool store master: {exc}", file=sys.stderr)
+    if not _configured(args, "master"):
         return 2
-
     setup_logging(args.log_level)
     config = MasterConfig(
         replicas=args.replicas,
@@ -153,12 +159,8 @@ def _node(args: argparse.Namespace) -> int:
     from kvpool.common.log import setup_logging
     from kvpool.store.node import StorageNode
 
-    try:
-        apply_config(args, "node")
-    except (OSError, ValueError) as exc:
-        print(f"kvpool store node: {exc}", file=sys.stderr)
+    if not _configured(args, "node"):
         return 2
-
     setup_logging(args.log_level)
     if not args.master:
         print("kvpool store node: --master (or master: in --config) is required", file=sys.stderr)
