@@ -1,4 +1,8 @@
-"""RPC benchmark: kvpool's RpcClient/RpcServer and a raw ZeroMQ REQ/REP echo, same payload.
+"""RPC benchmark: kvpool's RpcClient/RpcServer against two raw echo servers, same payload.
+
+Baselines: a raw TCP echo (a thread per connection, blocking sockets, the same length-prefixed
+framing) -- the floor for any Python RPC over TCP -- and a raw ZeroMQ REQ/REP echo (the
+transport kvpool's RPC used before; its I/O threads cost a hand-off per message).
 
 Each server runs in its own process on 127.0.0.1 (spawned); both sides are measured in one
 invocation, in interleaved rounds (median of the rounds reported).
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import socket
 import statistics
 import sys
 import threading
@@ -54,6 +59,51 @@ def serve_raw(ports: mp.Queue, stop: mp.Event) -> None:
         if sock.poll(100, zmq.POLLIN):
             sock.send(sock.recv())
     sock.close(linger=0)
+
+
+def serve_tcp(ports: mp.Queue, stop: mp.Event) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)
+    ports.put(listener.getsockname()[1])
+
+    def echo(conn: socket.socket) -> None:
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while True:
+                header = conn.recv(4, socket.MSG_WAITALL)
+                if len(header) < 4:
+                    return
+                body = conn.recv(int.from_bytes(header, "big"), socket.MSG_WAITALL)
+                conn.sendall(header + body)
+
+    deadline = time.monotonic() + 600
+    while not stop.is_set() and time.monotonic() < deadline:
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            continue
+        conn.settimeout(None)
+        threading.Thread(target=echo, args=(conn,), daemon=True).start()
+    listener.close()
+
+
+class TcpClient:
+    """A blocking socket sending the same framed msgpack request RpcClient would."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.rid = 0
+
+    def call(self) -> object:
+        self.rid += 1
+        body = pack([PROTOCOL_VERSION, self.rid, "noop", ARGS, KWARGS, None])
+        self.sock.sendall(len(body).to_bytes(4, "big") + body)
+        header = self.sock.recv(4, socket.MSG_WAITALL)
+        return unpack(self.sock.recv(int.from_bytes(header, "big"), socket.MSG_WAITALL))
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 class RawClient:
@@ -153,18 +203,22 @@ def main() -> None:
     res = Results("bench_rpc", vars(args))
     ctx = mp.get_context("spawn")
     raw_proc, raw_stop, raw_port = start_server(ctx, serve_raw)
+    tcp_proc, tcp_stop, tcp_port = start_server(ctx, serve_tcp)
     rpc_proc, rpc_stop, rpc_port = start_server(ctx, serve_rpc, args.workers)
     raws = [RawClient(raw_port) for _ in range(4)]
+    tcps = [TcpClient(tcp_port) for _ in range(4)]
     rpcs = [RpcClient(f"127.0.0.1:{rpc_port}") for _ in range(4)]
     rpc_call = lambda c: c.call("noop", *ARGS, **KWARGS)  # noqa: E731
-    runs: dict[str, list[dict[str, float]]] = {"raw_zmq": [], "rpc": []}
+    runs: dict[str, list[dict[str, float]]] = {"raw_zmq": [], "raw_tcp": [], "rpc": []}
     try:
         for _ in range(warmup):
             raws[0].call()
+            tcps[0].call()
             rpc_call(rpcs[0])
-        for r in range(rounds):  # interleaved, so load changes hit both sides alike
-            log(f"round {r + 1}/{rounds}: raw ZeroMQ echo and kvpool RPC, {n} calls each")
+        for r in range(rounds):  # interleaved, so load changes hit every side alike
+            log(f"round {r + 1}/{rounds}: raw ZeroMQ echo, raw TCP echo, kvpool RPC, {n} calls")
             runs["raw_zmq"].append(measure(raws, RawClient.call, n))
+            runs["raw_tcp"].append(measure(tcps, TcpClient.call, n))
             runs["rpc"].append(measure(rpcs, rpc_call, n))
         for side, results in runs.items():
             for key in results[0]:
@@ -172,12 +226,21 @@ def main() -> None:
         shared = [lambda: rpc_call(rpcs[0])] * 4
         res.figure("rpc_ops_s_4threads_shared_client", throughput(shared, n))
     finally:
-        for c in [*raws, *rpcs]:
+        for c in [*raws, *tcps, *rpcs]:
             c.close()
         stop_server(raw_proc, raw_stop)
+        stop_server(tcp_proc, tcp_stop)
         stop_server(rpc_proc, rpc_stop)
 
     f = res.figures
+    res.ratio("rpc_vs_raw_tcp_roundtrip", f["rpc_ops_s_1thread"], f["raw_tcp_ops_s_1thread"])
+    res.ratio("rpc_vs_raw_tcp_4threads", f["rpc_ops_s_4threads"], f["raw_tcp_ops_s_4threads"])
+    res.ratio(
+        "rpc_vs_raw_tcp_p50_latency",
+        f["rpc_roundtrip_p50_us"],
+        f["raw_tcp_roundtrip_p50_us"],
+        higher_is_better=False,
+    )
     res.ratio("rpc_vs_raw_zmq_roundtrip", f["rpc_ops_s_1thread"], f["raw_zmq_ops_s_1thread"])
     res.ratio("rpc_vs_raw_zmq_4threads", f["rpc_ops_s_4threads"], f["raw_zmq_ops_s_4threads"])
     res.ratio(

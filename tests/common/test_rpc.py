@@ -1,8 +1,9 @@
-"""The control-plane RPC over real ZeroMQ sockets on 127.0.0.1 (no mocks)."""
+"""The control-plane RPC over real TCP sockets on 127.0.0.1 (no mocks)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import select
 import socket
@@ -14,12 +15,12 @@ import time
 
 import msgpack
 import pytest
-import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpool.common.errors import (
     BadRequestError,
+    ConnectionLostError,
     KVPoolError,
     KVPoolTimeoutError,
     NotFoundError,
@@ -92,16 +93,24 @@ def client(server):
         yield c
 
 
-def raw_dealer(server: RpcServer) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://{server.address}")
-    return sock
+def raw_conn(server: RpcServer) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.port), timeout=5)
 
 
-def raw_reply(sock: zmq.Socket, timeout_ms: int = 3000) -> list:
-    assert sock.poll(timeout_ms, zmq.POLLIN), "server sent no reply"
-    return msgpack.unpackb(sock.recv(), raw=False, strict_map_key=False)
+def raw_reply(sock: socket.socket) -> list:
+    """Read one framed reply (fails the test if none comes within the socket timeout)."""
+    header = recv_exact(sock, 4)
+    return msgpack.unpackb(recv_exact(sock, int.from_bytes(header, "big")), raw=False,
+                           strict_map_key=False)  # fmt: skip
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        assert chunk, "server closed the connection"
+        out += chunk
+    return bytes(out)
 
 
 MIB = os.urandom(1 << 20)
@@ -230,26 +239,45 @@ def test_timeout_then_next_call_gets_its_own_reply(server, client):
     assert client.call("echo", "next") == "next"
 
 
+def frame(payload: bytes) -> bytes:
+    return len(payload).to_bytes(4, "big") + payload
+
+
 def test_client_discards_stale_and_malformed_replies():
     """A hand-made server answers every request with junk and a stale id before the real reply."""
-    ctx = zmq.Context.instance()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.05)
+    port = listener.getsockname()[1]
     stop = threading.Event()
 
     def serve():
-        while not stop.is_set():
-            if not router.poll(50, zmq.POLLIN):
+        conn = None
+        while conn is None and not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
                 continue
-            ident, payload = router.recv_multipart()
-            _, rid, _, args, _, _ = msgpack.unpackb(payload, raw=False)
-            router.send_multipart([ident, b"\xc1garbage"])
-            router.send_multipart([ident, pack([rid - 1, True, "stale"])])
-            router.send_multipart([ident, pack([True, True, "bool id"])])
-            router.send_multipart([ident, pack([rid, "yes", "ok is not a bool"])])
-            router.send_multipart([ident, pack([rid, True])])
-            router.send_multipart([ident, pack([rid, True, args[0]])])
+        if conn is None:
+            return
+        with conn:
+            conn.settimeout(5)
+            while not stop.is_set():
+                try:
+                    header = recv_exact(conn, 4)
+                except (AssertionError, OSError):
+                    return
+                _, rid, _, args, _, _ = msgpack.unpackb(
+                    recv_exact(conn, int.from_bytes(header, "big")), raw=False
+                )
+                for junk in [
+                    b"\xc1garbage",
+                    pack([rid - 1, True, "stale"]),
+                    pack([True, True, "bool id"]),
+                    pack([rid, "yes", "ok is not a bool"]),
+                    pack([rid, True]),
+                    pack([rid, True, args[0]]),
+                ]:
+                    conn.sendall(frame(junk))
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -259,7 +287,32 @@ def test_client_discards_stale_and_malformed_replies():
     finally:
         stop.set()
         thread.join(5)
-        router.close(linger=0)
+        listener.close()
+
+
+def test_oversized_reply_header_breaks_the_connection():
+    """A reply announcing more than the client's limit is not waited for."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(4096)
+            conn.sendall((1 << 31).to_bytes(4, "big"))
+            time.sleep(1)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        with RpcClient(f"127.0.0.1:{port}", timeout=3.0, max_message_size=1 << 20) as c:
+            t0 = time.monotonic()
+            with pytest.raises(ConnectionLostError, match="exceeds"):
+                c.call("x", 1)
+            assert time.monotonic() - t0 < 1.0
+    finally:
+        thread.join(5)
+        listener.close()
 
 
 def test_auth_token():
@@ -282,82 +335,124 @@ def test_auth_token():
 
 
 MALFORMED = [
-    [b""],
-    [b"", b""],
-    [b"a", b"b", b"c"],
-    [b"\xc1"],
-    [pack(1)],
-    [pack([])],
-    [pack([1, 2, 3])],
-    [pack({"version": 1})],
-    [pack([2, 11, "add", [1, 2], {}, None])],
-    [pack([True, 12, "add", [1, 2], {}, None])],
-    [pack([1, "13", "add", [1, 2], {}, None])],
-    [pack([1, 14, 123, [1, 2], {}, None])],
-    [pack([1, 15, "add", "1,2", {}, None])],
-    [pack([1, 16, "add", [1], {1: 2}, None])],
-    [pack([1, 17, "add", [1], [], None])],
-    [pack([1, 18, "add", ["a", 1], {}, None])],  # passes checks; the handler's TypeError
-    [msgpack.packb(msgpack.ExtType(5, b"x"))],
-    [b"\x91" * 2000],  # deeply nested arrays
+    b"",
+    b"\xc1",
+    b"\x01\x02",  # two values in one message
+    pack(1),
+    pack([]),
+    pack([1, 2, 3]),
+    pack({"version": 1}),
+    pack([2, 11, "add", [1, 2], {}, None]),
+    pack([True, 12, "add", [1, 2], {}, None]),
+    pack([1, "13", "add", [1, 2], {}, None]),
+    pack([1, 14, 123, [1, 2], {}, None]),
+    pack([1, 15, "add", "1,2", {}, None]),
+    pack([1, 16, "add", [1], {1: 2}, None]),
+    pack([1, 17, "add", [1], [], None]),
+    pack([1, 18, "add", ["a", 1], {}, None]),  # passes checks; the handler's TypeError
+    msgpack.packb(msgpack.ExtType(5, b"x")),
+    b"\x91" * 2000,  # deeply nested arrays
 ]
 
 
-def test_malformed_frames_get_error_replies(server, client):
-    sock = raw_dealer(server)
-    try:
-        for frames in MALFORMED:
-            sock.send_multipart(frames)
+def test_malformed_messages_get_error_replies(server, client):
+    with raw_conn(server) as sock:
+        for payload in MALFORMED:
+            sock.sendall(frame(payload))
             reply = raw_reply(sock)
-            assert reply[1] is False, frames
+            assert reply[1] is False, payload
             assert reply[2]["type"] in {"ProtocolError", "BadRequestError", "KVPoolError"}
-        sock.send(pack([2, 11, "add", [1, 2], {}, None]))
+        sock.sendall(frame(pack([2, 11, "add", [1, 2], {}, None])))
         assert raw_reply(sock)[0] == 11  # the id is echoed whenever it could be read
-        assert client.call("add", 1, 2) == 3
-    finally:
-        sock.close(linger=0)
+        sock.sendall(frame(pack([1, 19, "add", [1, 2], {}, None])))
+        assert raw_reply(sock) == [19, True, 3]  # the connection survived all of it
+    assert client.call("add", 1, 2) == 3
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.binary(max_size=4096))
-def test_random_bytes_from_a_dealer(server, data):
-    sock = raw_dealer(server)
-    try:
-        sock.send(data)
+def test_random_payloads(server, data):
+    with raw_conn(server) as sock:
+        sock.sendall(frame(data))
         reply = raw_reply(sock)
         assert reply[1] is False
         assert reply[2]["type"] in {ProtocolError.__name__, BadRequestError.__name__}
-    finally:
-        sock.close(linger=0)
     with RpcClient(server.address) as c:
         assert c.call("add", 1, 2) == 3
 
 
-def test_oversized_frames_are_dropped():
+def test_requests_split_and_pipelined(server):
+    """Frames cut into single bytes, and many frames in one send, are all answered in order
+    of arrival (workers=1) or at least all answered (pool)."""
+    requests = [frame(pack([1, i, "add", [i, 1], {}, None])) for i in range(1, 51)]
+    with raw_conn(server) as sock:
+        for byte in requests[0]:
+            sock.sendall(bytes([byte]))
+            time.sleep(0.001)
+        assert raw_reply(sock) == [1, True, 2]
+        sock.sendall(b"".join(requests[1:]))
+        replies = [raw_reply(sock) for _ in range(49)]
+    assert sorted(r[0] for r in replies) == list(range(2, 51))
+    assert all(r[2] == r[0] + 1 for r in replies)
+
+
+def test_oversized_frames_are_refused():
     with RpcServer(Handler(), max_message_size=1024) as srv:
-        sock = raw_dealer(srv)
-        sock.send(os.urandom(4096))
-        assert not sock.poll(300, zmq.POLLIN)  # dropped, no reply
-        sock.close(linger=0)
+        with raw_conn(srv) as sock:
+            sock.sendall((4096).to_bytes(4, "big") + os.urandom(4096))
+            reply = raw_reply(sock)
+            assert reply[1] is False and "exceeds the limit" in reply[2]["message"]
+            assert sock.recv(10) == b""  # and the connection is closed
         with RpcClient(srv.address, timeout=0.5) as c:
-            with pytest.raises(KVPoolTimeoutError):
-                c.call("echo", b"x" * 4096)
+            with pytest.raises(ProtocolError, match="exceeds the limit"):
+                c.call("echo", b"x" * 4096)  # the server's limit, not the client's
             assert c.call("echo", b"x" * 100) == b"x" * 100
             with pytest.raises(KVPoolError, match="exceeds the message limit"):
                 c.call("repeat", b"x", 2000)  # the reply would be too large
             assert c.call("add", 1, 2) == 3
 
 
-def test_raw_tcp_garbage(server, client):
+def test_raw_tcp_garbage_and_idle_connections(server, client):
     idle = socket.create_connection(("127.0.0.1", server.port), timeout=5)  # says nothing
+    half = socket.create_connection(("127.0.0.1", server.port), timeout=5)
     try:
-        greeting = b"\xff" + b"\x00" * 8 + b"\x7f\x03\x00NULL" + b"\x00" * 16
-        for junk in [os.urandom(8192), greeting + os.urandom(4096), b"GET / HTTP/1.1\r\n\r\n"]:
+        half.sendall((100).to_bytes(4, "big") + b"only part")  # never finishes its frame
+        for junk in [os.urandom(8192), b"GET / HTTP/1.1\r\n\r\n", b"\xff" * 3]:
             with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
                 s.sendall(junk)
         assert client.call("echo", "still here") == "still here"
     finally:
         idle.close()
+        half.close()
+
+
+def test_a_client_that_never_reads_does_not_stall_others(server, client):
+    """Requests whose replies are never read fill that connection only."""
+    with raw_conn(server) as greedy:
+        request = frame(pack([1, 1, "repeat", [b"y" * 1024, 1024], {}, None]))  # 1 MiB replies
+        greedy.settimeout(0.5)
+        with contextlib.suppress(TimeoutError):
+            for _ in range(64):
+                greedy.sendall(request)
+        assert client.call("echo", "not stalled") == "not stalled"
+
+
+def test_dead_server_gives_connection_lost_then_reconnects():
+    srv = RpcServer({"who": lambda: "first"}).start()
+    port = srv.port
+    c = RpcClient(srv.address, timeout=2.0)
+    try:
+        assert c.call("who") == "first"
+        srv.close()
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionLostError):
+            c.call("who")
+        assert time.monotonic() - t0 < 1.5  # refused at once, not a timeout
+        with RpcServer({"who": lambda: "second"}, port=port) as again:
+            assert again.port == port
+            assert c.call("who") == "second"
+    finally:
+        c.close()
 
 
 def test_concurrent_callers(client):

@@ -108,3 +108,7 @@ class UnavailableError(KVPoolError):
 
     http_status = 503
     error_type = "unavailable_error"
+
+
+class ConnectionLostError(UnavailableError):
+    """A control-plane peer could not be reached, or dropped the connection mid-call."""

@@ -1,4 +1,7 @@
-"""The RPC client (DEALER socket); see ``rpc.py`` for the wire format."""
+"""The RPC client (one blocking TCP connection); see ``rpc.py`` for the wire format.
+
+The calling thread sends its request and reads the reply itself: no I/O thread, no hand-off.
+"""
 
 from __future__ import annotations
 
@@ -6,40 +9,54 @@ import asyncio
 import functools
 import itertools
 import logging
+import socket
 import threading
 import time
 from typing import Any
 
-import zmq
-
-from kvpool.common.errors import BadRequestError, KVPoolError, KVPoolTimeoutError
+from kvpool.common.errors import (
+    BadRequestError,
+    ConnectionLostError,
+    KVPoolError,
+    KVPoolTimeoutError,
+)
 from kvpool.common.rpc_server import (
     _MAX_STALE,
     DEFAULT_MAX_MESSAGE_SIZE,
+    HEADER,
     PROTOCOL_VERSION,
     _is_int,
-    _new_socket,
+    _nodelay,
     _split_address,
-    _url_host,
+    frame,
 )
 from kvpool.common.rpc_wire import error_from_body, pack, unpack
 
 logger = logging.getLogger(__name__)
+_RECV = 64 << 10
 
 
-def _reply_for(frames: list[bytes], rid: int) -> list | None:
-    """The reply in ``frames`` if it is a well-formed answer to request ``rid``."""
+def _reply_for(payload: bytes, rid: int) -> list | None:
+    """The reply in ``payload`` if it is a well-formed answer to request ``rid``."""
     try:
-        reply = unpack(frames[-1])
+        reply = unpack(payload)
     except Exception:
         return None
-    if isinstance(reply, list) and len(reply) == 3 and _is_int(reply[0]) and reply[0] == rid:
-        return reply if isinstance(reply[1], bool) else None
-    return None
+    if not isinstance(reply, list) or len(reply) != 3 or not isinstance(reply[1], bool):
+        return None
+    if _is_int(reply[0]) and reply[0] == rid:
+        return reply
+    # an error about a message the server could not read (no id): with one call in flight
+    # per connection, it is about ours
+    return reply if reply[0] is None and reply[1] is False else None
+
+
+class _Broken(Exception):
+    """The connection can no longer be trusted (closed, or a frame over the limit)."""
 
 
 class RpcClient:
-    """Blocking and asyncio calls to one RpcServer; thread-safe (one DEALER behind a lock)."""
+    """Blocking and asyncio calls to one RpcServer; thread-safe (one connection behind a lock)."""
 
     def __init__(
         self,
@@ -55,7 +72,9 @@ class RpcClient:
         self._max_size = max_message_size
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._sock: zmq.Socket | None = None
+        self._sock: socket.socket | None = None
+        self._buf = bytearray()
+        self._sock_timeout = 0.0  # what the socket's timeout is set to (each recv's bound)
         self._closed = False
 
     def call(self, method: str, /, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
@@ -74,7 +93,7 @@ class RpcClient:
         try:
             if self._closed:
                 raise KVPoolError("RpcClient is closed")
-            reply = self._roundtrip(rid, payload, deadline)
+            reply = self._roundtrip(method, rid, payload, deadline)
         finally:
             self._lock.release()
         if reply is None:
@@ -83,33 +102,64 @@ class RpcClient:
             return reply[2]
         raise error_from_body(reply[2], f"{method} at {self.address}")
 
-    def _roundtrip(self, rid: int, payload: bytes, deadline: float) -> list | None:
-        """Send and wait for the reply to ``rid`` (None on timeout, socket then replaced)."""
-        if self._sock is None:
-            self._sock = _new_socket(zmq.DEALER, self._max_size, ":" in self._host)
-            self._sock.connect(f"tcp://{_url_host(self._host)}:{self._port}")
-        sock = self._sock
-        try:  # socket timeouts instead of poll(): one syscall less per call
-            sock.setsockopt(zmq.SNDTIMEO, max(0, int((deadline - time.monotonic()) * 1000)))
-            sock.send(payload)
+    def _roundtrip(self, method: str, rid: int, payload: bytes, deadline: float) -> list | None:
+        """Send and wait for the reply to ``rid`` (None on timeout; the connection is then
+        replaced, so a late reply never answers a later call)."""
+        try:
+            sock = self._connect(deadline)
+            wait = max(deadline - time.monotonic(), 1e-3)
+            if abs(wait - self._sock_timeout) > 0.05 * wait:  # settimeout costs two syscalls
+                sock.settimeout(wait)
+                self._sock_timeout = wait
+            sock.sendall(frame(payload))
             for _ in range(_MAX_STALE):
-                wait_ms = int((deadline - time.monotonic()) * 1000)
-                if wait_ms <= 0:
-                    break
-                sock.setsockopt(zmq.RCVTIMEO, wait_ms)
-                reply = _reply_for(sock.recv_multipart(), rid)
+                reply = _reply_for(self._read_frame(sock, deadline), rid)
                 if reply is not None:
+                    if reply[0] is None:
+                        self._reset()  # the server closes such connections
                     return reply
                 logger.debug("rpc %s: discarded a stale or malformed reply", self.address)
-        except zmq.Again:
+        except (TimeoutError, socket.timeout):
             pass
-        self._reset()  # a late reply must not reach a later call
+        except (OSError, _Broken) as exc:
+            self._reset()
+            raise ConnectionLostError(f"rpc {method} to {self.address}: {exc}") from exc
+        self._reset()
         return None
+
+    def _connect(self, deadline: float) -> socket.socket:
+        if self._sock is None:
+            wait = max(deadline - time.monotonic(), 1e-3)
+            sock = socket.create_connection((self._host, self._port), timeout=wait)
+            _nodelay(sock)
+            self._sock, self._buf, self._sock_timeout = sock, bytearray(), wait
+        return self._sock
+
+    def _read_frame(self, sock: socket.socket, deadline: float) -> bytes:
+        buf = self._buf
+        need = 4
+        while True:
+            if len(buf) >= 4:
+                (size,) = HEADER.unpack_from(buf, 0)
+                if size > self._max_size:
+                    raise _Broken(f"reply of {size} bytes exceeds the message limit")
+                need = 4 + size
+                if len(buf) >= need:
+                    payload = bytes(buf[4:need])
+                    del buf[:need]
+                    return payload
+            if deadline - time.monotonic() <= 0:
+                raise TimeoutError
+            data = sock.recv(max(_RECV, need - len(buf)))
+            if not data:
+                raise _Broken("server closed the connection")
+            buf += data
 
     def _reset(self) -> None:
         if self._sock is not None:
-            self._sock.close(linger=0)
+            self._sock.close()
             self._sock = None
+        self._buf = bytearray()
 
     async def acall(
         self, method: str, /, *args: Any, timeout: float | None = None, **kwargs: Any
@@ -127,7 +177,7 @@ class RpcClient:
             self._host, self._port, self.address = host, port, address
 
     def close(self) -> None:
-        """Release the socket; later calls raise KVPoolError (idempotent)."""
+        """Release the connection; later calls raise KVPoolError (idempotent)."""
         with self._lock:
             self._closed = True
             self._reset()

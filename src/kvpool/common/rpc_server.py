@@ -1,4 +1,4 @@
-"""The RPC server (ROUTER socket) and the helpers both sides share.
+"""The RPC server (one selector thread over plain TCP) and the helpers both sides share.
 
 The wire format is described once, in ``kvpool.common.rpc`` (the module callers import).
 """
@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import errno
 import hmac
 import inspect
 import logging
 import os
 import queue
+import selectors
+import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
-
-import zmq
 
 from kvpool.common.errors import (
     BackpressureError,
@@ -39,8 +41,10 @@ logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_MESSAGE_SIZE = 64 << 20
-_POLL_MS = 100  # how often the server loop looks at its stop flag
-_BATCH = 256  # messages read per loop turn
+HEADER = struct.Struct(">I")  # the length of the msgpack payload that follows
+_POLL_S = 0.1  # how often the server loop looks at its stop flag
+_RECV = 256 << 10  # bytes read per recv
+_MAX_CONNECTIONS = 1024
 _MAX_STALE = 10_000  # stale replies a client discards per call before giving up
 MARK = "__kvpool_rpc__"
 
@@ -51,13 +55,9 @@ def rpc_method(fn: Callable) -> Callable:
     return fn
 
 
-def _new_socket(kind: int, max_message_size: int, ipv6: bool) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, max_message_size)
-    if ipv6:
-        sock.setsockopt(zmq.IPV6, 1)
-    return sock
+def frame(payload: bytes) -> bytes:
+    """``payload`` with its length header (one buffer: one send)."""
+    return HEADER.pack(len(payload)) + payload
 
 
 def _split_address(address: str) -> tuple[str, int]:
@@ -70,6 +70,11 @@ def _split_address(address: str) -> tuple[str, int]:
 def _url_host(host: str) -> str:
     host = "127.0.0.1" if host == "localhost" else host
     return f"[{host}]" if ":" in host else host
+
+
+def _nodelay(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 class _Bad(Exception):
@@ -87,6 +92,19 @@ class _Request(NamedTuple):
     fn: Callable
     args: list
     kwargs: dict
+
+
+class _Conn:
+    """One client connection: its socket, unparsed input and unsent output."""
+
+    __slots__ = ("sock", "inbuf", "outbuf", "closing", "mask")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.inbuf = bytearray()
+        self.outbuf = bytearray()
+        self.closing = False  # close once the output is flushed
+        self.mask = selectors.EVENT_READ
 
 
 def _method_table(handler: Any) -> dict[str, Callable]:
@@ -146,11 +164,11 @@ class LatencyHistogram:
 
 
 class RpcServer:
-    """Serve a name -> callable dict, or the @rpc_method methods of an object, on a ROUTER.
+    """Serve a name -> callable dict, or the @rpc_method methods of an object, over TCP.
 
-    ``workers=1`` runs handlers on the serving thread; more runs them on a thread pool (at
-    most ``64 * workers`` queued, beyond that callers get BackpressureError), so handlers
-    must then be thread-safe.
+    One thread multiplexes every connection (epoll). ``workers=1`` runs handlers on that
+    thread; more runs them on a thread pool (at most ``64 * workers`` queued, beyond that
+    callers get BackpressureError), so handlers must then be thread-safe.
     """
 
     def __init__(
@@ -171,21 +189,22 @@ class RpcServer:
         self._token = token.encode() if token else None
         self._workers, self._max_pending, self._pending = workers, 64 * workers, 0
         self._max_size = max_message_size
-        self._sock = _new_socket(zmq.ROUTER, max_message_size, ":" in host)
-        try:
-            self._sock.bind(f"tcp://{_url_host(host)}:{port or '*'}")
-        except zmq.ZMQError:
-            self._sock.close(linger=0)
-            raise
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server(
+            ("127.0.0.1" if host == "localhost" else host, port), family=family, backlog=128
+        )
+        self._listener.setblocking(False)
         self.host = host
-        self.port = int(self._sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        self.port = int(self._listener.getsockname()[1])
         self.address = f"{_url_host(host)}:{self.port}"
         self.stats = {"calls": 0, "errors": 0, "malformed": 0}
         self.latency = LatencyHistogram()  # handler time of successful calls
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._done: queue.SimpleQueue[tuple[bytes, bytes]] = queue.SimpleQueue()
+        self._sel = selectors.DefaultSelector()
+        self._conns: dict[int, _Conn] = {}  # by fileno
+        self._done: queue.SimpleQueue[tuple[_Conn, bytes]] = queue.SimpleQueue()
         self._wake_lock = threading.Lock()
         self._wake: tuple[int, int] | None = None
         self._closed = False
@@ -208,7 +227,7 @@ class RpcServer:
         return self
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop serving and release the socket (idempotent)."""
+        """Stop serving and release the sockets (idempotent)."""
         if self._closed:
             return
         self._closed = True
@@ -227,7 +246,10 @@ class RpcServer:
         self.close()
 
     def _release(self) -> None:
-        self._sock.close(linger=0)
+        for conn in list(self._conns.values()):
+            self._drop(conn)
+        self._sel.close()
+        self._listener.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         with self._wake_lock:
@@ -236,51 +258,110 @@ class RpcServer:
                 os.close(self._wake[1])
                 self._wake = None
 
+    # -- the serving loop ------------------------------------------------------------------
+
     def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
+        self._sel.register(self._listener, selectors.EVENT_READ, None)
         wake_fd = self._wake[0] if self._wake else None
         if wake_fd is not None:
-            poller.register(wake_fd, zmq.POLLIN)
+            self._sel.register(wake_fd, selectors.EVENT_READ, None)
         try:
             while not self._stop.is_set():
                 try:
-                    events = dict(poller.poll(_POLL_MS))
-                    if self._sock in events:
-                        self._read_requests()
-                    if wake_fd is not None and wake_fd in events:
-                        self._send_done(wake_fd)
-                except zmq.ContextTerminated:
-                    return
+                    for key, events in self._sel.select(_POLL_S):
+                        conn = key.data
+                        if conn is None:
+                            if key.fd == wake_fd:
+                                self._send_done(wake_fd)
+                            else:
+                                self._accept()
+                            continue
+                        if events & selectors.EVENT_WRITE:
+                            self._flush(conn)
+                        if events & selectors.EVENT_READ and conn.sock.fileno() >= 0:
+                            self._read(conn)
                 except Exception:  # never let one bad turn kill the server
                     logger.exception("rpc server %s: unexpected error", self.address)
                     time.sleep(0.01)
         finally:
             self._release()
 
-    def _read_requests(self) -> None:
-        for _ in range(_BATCH):
-            if not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than zmq.Again
-                return
-            frames = self._sock.recv_multipart(zmq.NOBLOCK)
-            if len(frames) != 2:
-                self._reject(
-                    frames[0], None, ProtocolError(f"expected 1 frame, got {len(frames) - 1}")
-                )
-                continue
+    def _accept(self) -> None:
+        for _ in range(64):
             try:
-                req = self._parse(frames[1])
-            except _Bad as bad:
-                self._reject(frames[0], bad.request_id, bad.error)
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # e.g. EMFILE: keep serving the others
+                logger.warning("rpc %s: accept failed: %s", self.address, exc)
+                return
+            if len(self._conns) >= _MAX_CONNECTIONS:
+                logger.warning("rpc %s: connection limit reached, refusing one", self.address)
+                sock.close()
                 continue
-            self.stats["calls"] += 1
-            if self._pool is None:
-                self._send(frames[0], self._execute(req))
-            elif self._pending >= self._max_pending:
-                self._reject(frames[0], req.request_id, BackpressureError("rpc server busy"))
-            else:
-                self._pending += 1
-                self._pool.submit(self._work, frames[0], req)
+            sock.setblocking(False)
+            _nodelay(sock)
+            conn = _Conn(sock)
+            self._conns[sock.fileno()] = conn
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _drop(self, conn: _Conn) -> None:
+        fd = conn.sock.fileno()
+        if fd < 0:
+            return
+        self._conns.pop(fd, None)
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._sel.unregister(conn.sock)
+        conn.sock.close()
+
+    def _read(self, conn: _Conn) -> None:
+        if conn.closing or len(conn.outbuf) > self._max_size:
+            return  # a client that does not read its replies is not read either
+        try:
+            data = conn.sock.recv(_RECV)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(conn)
+            return
+        buf = conn.inbuf
+        buf += data
+        start, end = 0, len(buf)
+        while end - start >= 4:
+            (size,) = HEADER.unpack_from(buf, start)
+            if size > self._max_size:
+                self._reject(conn, None, ProtocolError(
+                    f"message of {size} bytes exceeds the limit of {self._max_size}"
+                ))
+                conn.closing = True  # the stream cannot be trusted after this
+                self._flush(conn)
+                return
+            if end - start - 4 < size:
+                break
+            payload = bytes(buf[start + 4 : start + 4 + size])
+            start += 4 + size
+            self._dispatch(conn, payload)
+            if conn.sock.fileno() < 0:
+                return
+        if start:
+            del buf[:start]
+
+    def _dispatch(self, conn: _Conn, payload: bytes) -> None:
+        try:
+            req = self._parse(payload)
+        except _Bad as bad:
+            self._reject(conn, bad.request_id, bad.error)
+            return
+        self.stats["calls"] += 1
+        if self._pool is None:
+            self._send(conn, self._execute(req))
+        elif self._pending >= self._max_pending:
+            self._reject(conn, req.request_id, BackpressureError("rpc server busy"))
+        else:
+            self._pending += 1
+            self._pool.submit(self._work, conn, req)
 
     def _parse(self, payload: bytes) -> _Request:
         try:
@@ -305,12 +386,6 @@ class RpcServer:
             isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)
         ):
             raise _Bad(rid, ProtocolError("args must be an array and kwargs a map"))
-        sig = self._sigs[method]
-        try:
-            if sig is not None:
-                sig.bind(*args, **kwargs)
-        except TypeError as exc:
-            raise _Bad(rid, BadRequestError(f"bad arguments for {method}: {exc}"[:300])) from None
         return _Request(rid, method, self._methods[method], args, kwargs)
 
     def _execute(self, req: _Request) -> bytes:
@@ -323,14 +398,28 @@ class RpcServer:
             error: KVPoolError = KVPoolError(f"result of {req.method} exceeds the message limit")
         except KVPoolError as exc:
             error = exc
+        except TypeError as exc:
+            error = self._argument_error(req, exc)
         except Exception:
             logger.exception("rpc: internal error in %s", req.method)
             error = KVPoolError(f"internal error in {req.method}")
         self.stats["errors"] += 1
         return pack([req.request_id, False, error_body(error)])
 
-    def _work(self, identity: bytes, req: _Request) -> None:
-        self._done.put((identity, self._execute(req)))
+    def _argument_error(self, req: _Request, exc: TypeError) -> KVPoolError:
+        """A TypeError is the caller's fault when the arguments do not fit the signature
+        (checked only now, off the fast path); otherwise it is an internal error."""
+        sig = self._sigs[req.method]
+        try:
+            if sig is not None:
+                sig.bind(*req.args, **req.kwargs)
+        except TypeError as bad:
+            return BadRequestError(f"bad arguments for {req.method}: {bad}"[:300])
+        logger.error("rpc: internal error in %s: %s", req.method, exc, exc_info=exc)
+        return KVPoolError(f"internal error in {req.method}")
+
+    def _work(self, conn: _Conn, req: _Request) -> None:
+        self._done.put((conn, self._execute(req)))
         with self._wake_lock:
             if self._wake is not None:
                 with contextlib.suppress(BlockingIOError):  # full pipe: the loop is awake
@@ -341,21 +430,55 @@ class RpcServer:
             os.read(wake_fd, 4096)
         for _ in range(self._max_pending + 1):
             try:
-                identity, data = self._done.get_nowait()
+                conn, data = self._done.get_nowait()
             except queue.Empty:
                 return
             self._pending -= 1
-            self._send(identity, data)
+            if conn.sock.fileno() >= 0:
+                self._send(conn, data)
 
-    def _reject(self, identity: bytes, request_id: int | None, error: KVPoolError) -> None:
+    def _reject(self, conn: _Conn, request_id: int | None, error: KVPoolError) -> None:
         self.stats["malformed"] += 1
         n = self.stats["malformed"]
         level = logging.WARNING if n <= 10 or n % 1000 == 0 else logging.DEBUG  # no log floods
         logger.log(level, "rpc %s: rejected request #%d: %s", self.address, n, error.message)
-        self._send(identity, pack([request_id, False, error_body(error)]))
+        self._send(conn, pack([request_id, False, error_body(error)]))
 
-    def _send(self, identity: bytes, data: bytes) -> None:
+    def _send(self, conn: _Conn, data: bytes) -> None:
+        if conn.outbuf:
+            conn.outbuf += frame(data)
+            return
+        out = frame(data)
         try:
-            self._sock.send_multipart([identity, data], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # peer gone or not reading: ROUTER drops, we log
-            logger.warning("rpc %s: reply dropped: %s", self.address, exc)
+            sent = conn.sock.send(out)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as exc:  # peer gone: its replies go nowhere
+            logger.debug("rpc %s: reply dropped: %s", self.address, exc)
+            self._drop(conn)
+            return
+        if sent < len(out):
+            conn.outbuf += memoryview(out)[sent:]
+            self._want(conn, selectors.EVENT_READ | selectors.EVENT_WRITE)
+
+    def _flush(self, conn: _Conn) -> None:
+        while conn.outbuf:
+            try:
+                sent = conn.sock.send(conn.outbuf)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EPIPE, errno.ECONNRESET):
+                    logger.debug("rpc %s: send failed: %s", self.address, exc)
+                self._drop(conn)
+                return
+            del conn.outbuf[:sent]
+        if conn.closing:
+            self._drop(conn)
+        else:
+            self._want(conn, selectors.EVENT_READ)
+
+    def _want(self, conn: _Conn, mask: int) -> None:
+        if conn.mask != mask and conn.sock.fileno() >= 0:
+            conn.mask = mask
+            self._sel.modify(conn.sock, mask, conn)

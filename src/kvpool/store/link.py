@@ -11,7 +11,12 @@ import logging
 import time
 from typing import Any
 
-from kvpool.common.errors import KVPoolError, KVPoolTimeoutError, UnavailableError
+from kvpool.common.errors import (
+    ConnectionLostError,
+    KVPoolError,
+    KVPoolTimeoutError,
+    UnavailableError,
+)
 from kvpool.common.etcd import EtcdClient, EtcdError
 from kvpool.common.rpc import RpcClient
 
@@ -71,7 +76,7 @@ class MasterLink:
                     raise
                 logger.info("store: master %s did not answer (%s); looking up the leader",
                             self.rpc.address, exc)  # fmt: skip
-                if isinstance(exc, UnavailableError) and not isinstance(exc, NoLeaderError):
+                if not isinstance(exc, (NoLeaderError, ConnectionLostError, KVPoolTimeoutError)):
                     time.sleep(0.1)  # the leader is rebuilding its table: ask it again soon
                     continue
                 address = self._resolve()

@@ -58,7 +58,7 @@ _CODES: list[tuple[type[BaseException], int]] = [
     (errors.LeaseExpiredError, OBJECT_HAS_LEASE),  # kvpool's "remove refused: leased"
     (errors.NoSpaceError, NO_AVAILABLE_HANDLE),
     ((errors.TransferError, errors.BackpressureError), TRANSFER_FAIL),
-    ((errors.KVPoolTimeoutError, errors.ProtocolError), RPC_FAIL),
+    ((errors.KVPoolTimeoutError, errors.ProtocolError, errors.ConnectionLostError), RPC_FAIL),
     ((ValueError, TypeError), INVALID_PARAMS),  # BadRequestError, bad config values
 ]
 _UNSUPPORTED = {  # and every "*tensor*" name
