@@ -119,7 +119,7 @@ class RpcClient:
                         self._reset()  # the server closes such connections
                     return reply
                 logger.debug("rpc %s: discarded a stale or malformed reply", self.address)
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             pass
         except (OSError, _Broken) as exc:
             self._reset()

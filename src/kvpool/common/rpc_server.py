@@ -97,7 +97,7 @@ class _Request(NamedTuple):
 class _Conn:
     """One client connection: its socket, unparsed input and unsent output."""
 
-    __slots__ = ("sock", "inbuf", "outbuf", "closing", "mask")
+    __slots__ = ("closing", "inbuf", "mask", "outbuf", "sock")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -332,9 +332,11 @@ class RpcServer:
         while end - start >= 4:
             (size,) = HEADER.unpack_from(buf, start)
             if size > self._max_size:
-                self._reject(conn, None, ProtocolError(
-                    f"message of {size} bytes exceeds the limit of {self._max_size}"
-                ))
+                self._reject(
+                    conn,
+                    None,
+                    ProtocolError(f"message of {size} bytes exceeds the limit of {self._max_size}"),
+                )
                 conn.closing = True  # the stream cannot be trusted after this
                 self._flush(conn)
                 return
