@@ -203,6 +203,8 @@ class RpcServer:
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._sel = selectors.DefaultSelector()
+        self._rbuf = bytearray(_RECV)
+        self._rview = memoryview(self._rbuf)
         self._conns: dict[int, _Conn] = {}  # by fileno
         self._done: queue.SimpleQueue[tuple[_Conn, bytes]] = queue.SimpleQueue()
         self._wake_lock = threading.Lock()
@@ -318,16 +320,16 @@ class RpcServer:
         if conn.closing or len(conn.outbuf) > self._max_size:
             return  # a client that does not read its replies is not read either
         try:
-            data = conn.sock.recv(_RECV)
+            n = conn.sock.recv_into(self._rbuf)  # a reused buffer: no allocation per read
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data = b""
-        if not data:
+            n = 0
+        if not n:
             self._drop(conn)
             return
         buf = conn.inbuf
-        buf += data
+        buf += self._rview[:n]
         start, end = 0, len(buf)
         while end - start >= 4:
             (size,) = HEADER.unpack_from(buf, start)

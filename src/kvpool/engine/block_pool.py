@@ -7,8 +7,11 @@ with the same prefix can still hit it; free blocks are reused least recently fre
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import NamedTuple
+
+MAX_EVENTS = 65536  # block events kept for pollers (the conductor); older ones need a snapshot
 
 
 class KVBlock:
@@ -31,6 +34,14 @@ class BlockPoolStats:
     hash_collisions: int = 0  # hash hits whose tokens did not match
 
 
+class BlockEvent(NamedTuple):
+    """A change of the cache's contents, as vLLM's KV events: a hash became (un)servable."""
+
+    seq: int
+    kind: str  # "stored" | "removed"
+    block_hash: bytes
+
+
 class BlockPool:
     """Owns ``num_blocks`` block descriptors (the bytes live in the engine's KV tensor)."""
 
@@ -45,6 +56,24 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self._cached: dict[bytes, KVBlock] = {}
         self.stats = BlockPoolStats()
+        self.events: deque[BlockEvent] = deque(maxlen=MAX_EVENTS)
+        self.event_seq = 0  # seq of the newest event
+
+    def _event(self, kind: str, block_hash: bytes) -> None:
+        self.event_seq += 1
+        self.events.append(BlockEvent(self.event_seq, kind, block_hash))
+
+    def events_since(self, seq: int) -> list[BlockEvent] | None:
+        """Events after ``seq``, or None if some were already dropped (take a snapshot)."""
+        if seq >= self.event_seq:
+            return []
+        if not self.events or self.events[0].seq > seq + 1:
+            return None
+        return [e for e in self.events if e.seq > seq]
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash the cache can serve now (the snapshot behind the events)."""
+        return list(self._cached)
 
     @property
     def num_free_blocks(self) -> int:
@@ -112,6 +141,7 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = token_ids
         self._cached[block_hash] = block
+        self._event("stored", block_hash)
         return True
 
     def uncache(self, block: KVBlock) -> None:
@@ -132,6 +162,7 @@ class BlockPool:
             return
         if self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
+            self._event("removed", block.block_hash)
         block.block_hash = None
         block.token_ids = None
         if evicted:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +100,8 @@ class LLMEngine:
         self._saving: dict[int, int] = {}  # block id -> references held for connector saves
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        # (prefill tokens, decoding sequences, seconds) of recent steps: cost-model samples
+        self.step_times: deque[tuple[int, int, float]] = deque(maxlen=512)
         logger.info(
             "engine ready in %.1fs: %s, %s, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
             time.perf_counter() - t0,
@@ -178,11 +181,15 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.chunks:
             return []
+        t0 = time.perf_counter()
         try:
             tokens = self.runner.execute(sched.chunks)
         except BaseException:
             self.kv_manager.forget(sched.new_blocks)  # their KV was never written
             raise
+        decodes = sum(1 for c in sched.chunks if c.start >= c.request.num_prompt_tokens)
+        prefill = sched.num_tokens - decodes
+        self.step_times.append((prefill, decodes, time.perf_counter() - t0))
         self._save(sched.new_blocks)
         now = time.monotonic()
         outs = []

@@ -175,6 +175,12 @@ def load_model(
     return loaded
 
 
+def load_tokenizer(model: str | None = None, cache_dir: str | None = None):
+    """Only the tokenizer of ``model`` (for processes that route, not compute)."""
+    folder = _hf_folder(resolve_model(model), cache_dir)
+    return load_hf_tokenizer(folder, _folder_config(folder))
+
+
 def export_hf(model: str | None, out_dir: str, cache_dir: str | None = None) -> Path:
     """Write ``model`` as a Hugging Face folder (config, safetensors, tokenizer, generation config)
     that ``transformers.AutoModelForCausalLM.from_pretrained`` and vLLM load offline."""

@@ -28,6 +28,25 @@ def checksum(view) -> int:
     return xxhash.xxh3_64_intdigest(view)
 
 
+def checksum_parts(parts: list) -> int:
+    """The checksum of the concatenation of ``parts`` (equal to ``checksum`` of the whole)."""
+    if len(parts) == 1:
+        return checksum(parts[0])
+    h = xxhash.xxh3_64()
+    for p in parts:
+        h.update(p)
+    return h.intdigest()
+
+
+def _requests(op: Op, parts: list, replica: dict) -> list[TransferRequest]:
+    """One request per part, at consecutive offsets of the replica."""
+    out, off = [], replica["offset"]
+    for p in parts:
+        out.append(TransferRequest(op, p, replica["segment"], off))
+        off += len(p)
+    return out
+
+
 class StoreClient:
     """Pythonic access to the pool: put/get (+ zero-copy ``put_from``/``get_into``) and batches."""
 
@@ -90,24 +109,31 @@ class StoreClient:
 
     def batch_put(self, keys: list[str], values: list, replicas: int | None = None) -> list:
         """Put many; per key None on success or the ``KVPoolError`` that stopped it."""
-        views = [byte_view(v, writable=False) for v in values]
+        return self.batch_put_parts(keys, [[v] for v in values], replicas)
+
+    def batch_put_parts(self, keys: list[str], values: list[list], replicas: int | None = None):
+        """``batch_put`` of values given as lists of buffers, stored as their concatenation
+        (each part is sent from where it is: e.g. a header and a slice of a KV tensor)."""
+        parts = [[byte_view(p, writable=False) for p in v] for v in values]
+        sizes = [sum(len(p) for p in ps) for ps in parts]
         metas = self.master.call(
-            "batch_put_start", [[k, len(v)] for k, v in zip(keys, views, strict=True)], replicas
+            "batch_put_start", [[k, n] for k, n in zip(keys, sizes, strict=True)], replicas
         )
         results: list = [None] * len(keys)
         reqs, owners = [], []
-        for i, (meta, view) in enumerate(zip(metas, views, strict=True)):
+        for i, (meta, ps) in enumerate(zip(metas, parts, strict=True)):
             if "error" in meta:
                 results[i] = error_from_body(meta["error"])
                 continue
             for r in meta["replicas"]:
-                reqs.append(TransferRequest(Op.WRITE, view, r["segment"], r["offset"]))
-                owners.append(i)
+                batch = _requests(Op.WRITE, ps, r)
+                reqs.extend(batch)
+                owners.extend([i] * len(batch))
         statuses = self.engine.transfer_statuses(reqs, self.timeout) if reqs else []
         for i, status in zip(owners, statuses, strict=True):
             if not status.ok and results[i] is None:
                 results[i] = status.error
-        ends = [[keys[i], checksum(views[i])] for i in range(len(keys)) if results[i] is None]
+        ends = [[keys[i], checksum_parts(parts[i])] for i in range(len(keys)) if results[i] is None]
         for i in range(len(keys)):
             if results[i] is not None and "error" not in metas[i]:
                 self._revoke(keys[i])
@@ -121,7 +147,7 @@ class StoreClient:
         """Values of many keys (None for a missing one)."""
         metas = self.master.call("batch_get", keys)
         bufs = [bytearray(m["size"]) if m else None for m in metas]
-        ok = self._read_many(metas, [memoryview(b) if b is not None else None for b in bufs])
+        ok = self._read_many(metas, [[memoryview(b)] if b is not None else None for b in bufs])
         return [
             bytes(b) if b is not None and good else None for b, good in zip(bufs, ok, strict=False)
         ]
@@ -132,16 +158,25 @@ class StoreClient:
         views = []
         for meta, buf in zip(metas, buffers, strict=True):
             view = byte_view(buf, writable=True)
-            views.append(view[: meta["size"]] if meta and meta["size"] <= len(view) else None)
+            views.append([view[: meta["size"]]] if meta and meta["size"] <= len(view) else None)
+        ok = self._read_many(metas, views)
+        return [m["size"] if good else -1 for m, good in zip(metas, ok, strict=True)]
+
+    def batch_get_into_parts(self, keys: list[str], buffers: list[list]) -> list[int]:
+        """Read many, each into a list of buffers that together are exactly its size (e.g. a
+        header buffer and a slice of a KV tensor); per key the size read, or -1."""
+        metas = self.master.call("batch_get", keys)
+        views = []
+        for meta, bufs in zip(metas, buffers, strict=True):
+            ps = [byte_view(b, writable=True) for b in bufs]
+            views.append(ps if meta and meta["size"] == sum(len(p) for p in ps) else None)
         ok = self._read_many(metas, views)
         return [m["size"] if good else -1 for m, good in zip(metas, ok, strict=True)]
 
     # -- data path ------------------------------------------------------------------------------
 
     def _write(self, meta: dict, view: memoryview) -> None:
-        reqs = [
-            TransferRequest(Op.WRITE, view, r["segment"], r["offset"]) for r in meta["replicas"]
-        ]
+        reqs = [req for r in meta["replicas"] for req in _requests(Op.WRITE, [view], r)]
         try:
             self.engine.transfer(reqs, timeout=self.timeout)
         except KVPoolError:
@@ -154,32 +189,36 @@ class StoreClient:
         except KVPoolError as exc:  # it times out on the master anyway
             logger.warning("store: revoking %s failed: %s", key, exc)
 
-    def _read(self, meta: dict, view: memoryview) -> None:
+    def _read(self, meta: dict, view) -> None:
+        parts = view if isinstance(view, list) else [view]
         last: Exception | None = None
         for r in meta["replicas"]:
             try:
-                self.engine.transfer([TransferRequest(Op.READ, view, r["segment"], r["offset"])])
+                self.engine.transfer(_requests(Op.READ, parts, r))
             except KVPoolError as exc:
                 last = exc
                 continue
-            if meta["checksum"] is None or checksum(view) == meta["checksum"]:
+            if meta["checksum"] is None or checksum_parts(parts) == meta["checksum"]:
                 return
             last = TransferError(f"checksum mismatch reading {meta['key']} from {r['node']}")
         raise NotFoundError(f"key {meta['key']!r}: no readable replica ({last})")
 
     def _read_many(self, metas: list, views: list) -> list[bool]:
-        """One batch of READs from each object's first replica; stragglers retried singly."""
+        """One batch of READs from each object's first replica; stragglers retried singly.
+        ``views[i]`` is the list of buffers object ``i`` is read into (None: skip it)."""
         picks = [(i, m) for i, m in enumerate(metas) if m and views[i] is not None]
-        reqs = [
-            TransferRequest(
-                Op.READ, views[i], m["replicas"][0]["segment"], m["replicas"][0]["offset"]
-            )
-            for i, m in picks
-        ]
+        reqs, owners = [], []
+        for i, m in picks:
+            batch = _requests(Op.READ, views[i], m["replicas"][0])
+            reqs.extend(batch)
+            owners.extend([i] * len(batch))
         statuses = self.engine.transfer_statuses(reqs, self.timeout) if reqs else []
+        moved = dict.fromkeys((i for i, _ in picks), True)
+        for i, status in zip(owners, statuses, strict=True):
+            moved[i] = moved[i] and status.ok
         ok = [False] * len(metas)
-        for (i, m), status in zip(picks, statuses, strict=True):
-            if status.ok and (m["checksum"] is None or checksum(views[i]) == m["checksum"]):
+        for i, m in picks:
+            if moved[i] and (m["checksum"] is None or checksum_parts(views[i]) == m["checksum"]):
                 ok[i] = True
                 continue
             try:

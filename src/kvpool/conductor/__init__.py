@@ -1,0 +1,1 @@
+"""The conductor: the KVCache-aware global scheduler behind an OpenAI-compatible API."""

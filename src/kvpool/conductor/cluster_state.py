@@ -1,0 +1,129 @@
+"""What the conductor knows about the cluster: plain snapshots the routing policies read.
+
+Policies are pure functions of a :class:`ClusterSnapshot` and a :class:`RequestInfo`, so a
+simulator can drive them with made-up snapshots (DESIGN.md §4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ROLES = ("prefill", "decode", "both")
+
+
+@dataclass(slots=True, frozen=True)
+class CostModel:
+    """A worker's step time, fitted to its measured steps (least squares, refreshed often).
+
+    prefill of ``n`` tokens: ``prefill_base_s + prefill_token_s * n``;
+    one decode step with ``b`` running sequences: ``decode_base_s + decode_seq_s * b``.
+    """
+
+    prefill_base_s: float = 0.02
+    prefill_token_s: float = 0.002
+    decode_base_s: float = 0.03
+    decode_seq_s: float = 0.002
+
+    def prefill_s(self, tokens: int) -> float:
+        return self.prefill_base_s + self.prefill_token_s * max(tokens, 0) if tokens > 0 else 0.0
+
+    def decode_step_s(self, batch: int) -> float:
+        return self.decode_base_s + self.decode_seq_s * max(batch, 1)
+
+    def to_dict(self) -> dict:
+        return {
+            "prefill_base_s": self.prefill_base_s,
+            "prefill_token_s": self.prefill_token_s,
+            "decode_base_s": self.decode_base_s,
+            "decode_seq_s": self.decode_seq_s,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostModel:
+        return cls(**{k: float(d[k]) for k in cls().to_dict() if k in d})
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """What a worker reports about its queue (and the conductor adds about requests it sent)."""
+
+    queued_prefill_tokens: int = 0  # prompt tokens admitted or waiting, not yet computed
+    running: int = 0  # requests decoding
+    waiting: int = 0
+    kv_usage: float = 0.0
+    remaining_tokens: list[int] = field(default_factory=list)  # per running request
+    inflight: int = 0  # requests the conductor routed here that it has not seen finish
+
+    def to_dict(self) -> dict:
+        return {
+            "queued_prefill_tokens": self.queued_prefill_tokens,
+            "running": self.running,
+            "waiting": self.waiting,
+            "kv_usage": round(self.kv_usage, 4),
+            "inflight": self.inflight,
+        }
+
+
+@dataclass(slots=True)
+class WorkerView:
+    """One worker as the policies see it."""
+
+    id: str
+    role: str
+    address: str  # its OpenAI HTTP endpoint, host:port
+    rpc: str  # its control RPC, host:port
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    cost: CostModel = field(default_factory=CostModel)
+    cached: frozenset[bytes] | set[bytes] = frozenset()  # block hashes in its local cache
+    alive: bool = True
+
+    @property
+    def prefills(self) -> bool:
+        return self.role in ("prefill", "both")
+
+    @property
+    def decodes(self) -> bool:
+        return self.role in ("decode", "both")
+
+    def local_prefix_blocks(self, hashes: list[bytes]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self.cached:
+                break
+            n += 1
+        return n
+
+    def queue_s(self) -> float:
+        """Time until this worker can start a new prefill."""
+        q = self.load.queued_prefill_tokens
+        return self.cost.prefill_s(q) if q else 0.0
+
+
+@dataclass(slots=True)
+class ClusterSnapshot:
+    workers: list[WorkerView]
+    pool_bytes_per_s: float = 2e9  # measured pool -> engine load bandwidth
+    block_bytes: int = 0  # bytes of one KV block
+    pool_up: bool = True
+
+    def alive(self, pred) -> list[WorkerView]:
+        return [w for w in self.workers if w.alive and pred(w)]
+
+
+@dataclass(slots=True, frozen=True)
+class RequestInfo:
+    num_prompt_tokens: int
+    block_hashes: tuple[bytes, ...]  # of the prompt's full blocks
+    block_size: int
+    max_tokens: int = 16
+    pool_prefix_blocks: int = 0  # leading blocks present in the pool
+
+
+@dataclass(slots=True, frozen=True)
+class Placement:
+    """A policy's answer for one side (prefill or decode)."""
+
+    worker_id: str
+    predicted_s: float  # TTFT for prefill, TBT for decode
+    local_blocks: int = 0
+    pool_blocks: int = 0

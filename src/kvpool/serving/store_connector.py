@@ -1,0 +1,252 @@
+"""The engine's KV connector backed by the pool (``kvpool.store``).
+
+One pool object per KV block, under ``kv/<chain hash hex>``. Its bytes are a header (magic,
+format version, the block's token ids, the payload length) followed by the block's slice of the
+engine's KV tensor (block-major, DESIGN.md §3, so one block is one contiguous range). Loads
+and saves move the payload straight between the KV tensor and the pool's segments (the
+header travels as a second part of the same object): no staging copy. Loaded token ids are
+compared with the request's: a mismatch ends the loaded prefix there.
+
+Saves run on a background thread while the engine computes the next chunk; the engine keeps
+each block referenced until its save is reported done. If the pool cannot be reached the
+connector stops using it for ``retry_after_s`` and the engine computes everything locally.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import struct
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvpool.common.errors import AlreadyExistsError, KVPoolError, NotFoundError
+from kvpool.engine.connector import BlockRef, KVConnector
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"KVPB"
+FORMAT_VERSION = 1
+_HEAD = struct.Struct("<4sHHQ")  # magic, version, number of tokens, payload bytes
+KEY_PREFIX = "kv/"
+
+
+def block_key(block_hash: bytes) -> str:
+    """The pool key of a block (the chain hash already includes the namespace)."""
+    return KEY_PREFIX + block_hash.hex()
+
+
+@dataclass(slots=True)
+class ConnectorStats:
+    """Counters for metrics (cumulative)."""
+
+    lookups: int = 0
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    load_seconds: float = 0.0
+    token_mismatches: int = 0
+    saved_blocks: int = 0
+    saved_bytes: int = 0
+    save_seconds: float = 0.0  # time the save thread spent writing
+    save_wait_seconds: float = 0.0  # time callers waited for saves (the part not hidden)
+    dropped_saves: int = 0
+    pool_errors: int = 0
+
+
+class StoreConnector(KVConnector):
+    """Loads prefix blocks from the pool and publishes full blocks to it."""
+
+    def __init__(self, client, retry_after_s: float = 5.0, save: bool = True) -> None:
+        self.client = client  # a kvpool.store.StoreClient (thread-safe)
+        self.retry_after_s = retry_after_s
+        self._save_enabled = save
+        self.stats = ConnectorStats()
+        self._down_until = 0.0
+        self._blocks: np.ndarray | None = None  # [num_blocks, block_bytes] uint8 view
+        self._head_len = 0
+        self._queue: queue.SimpleQueue[list[BlockRef] | None] = queue.SimpleQueue()
+        self._done: list[int] = []
+        self._done_lock = threading.Lock()
+        self._pending: dict[bytes, int] = {}  # hashes queued or being written
+        self._pending_cv = threading.Condition(self._done_lock)
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # -- binding -------------------------------------------------------------------------
+
+    def bind(self, kv_cache: torch.Tensor, block_size: int, namespace: str) -> None:
+        if not kv_cache.is_contiguous():
+            raise ValueError("the KV tensor must be contiguous (block-major)")
+        flat = kv_cache.view(torch.uint8) if kv_cache.dtype != torch.uint8 else kv_cache
+        self._blocks = flat.numpy().reshape(kv_cache.shape[0], -1)  # shares memory
+        self.block_size = block_size
+        self.namespace = namespace
+        self._head_len = _HEAD.size + 4 * block_size
+        if self._save_enabled:
+            self._thread = threading.Thread(target=self._save_loop, name="kvpool-kv-save",
+                                            daemon=True)  # fmt: skip
+            self._thread.start()
+
+    @property
+    def block_bytes(self) -> int:
+        assert self._blocks is not None
+        return self._blocks.shape[1]
+
+    def pool_up(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _pool_failed(self, what: str, exc: Exception) -> None:
+        self.stats.pool_errors += 1
+        if self.pool_up():
+            logger.warning("pool %s failed (%s); computing locally for %.0fs", what, exc,
+                           self.retry_after_s)  # fmt: skip
+        self._down_until = time.monotonic() + self.retry_after_s
+
+    # -- loading -------------------------------------------------------------------------
+
+    def num_loadable_blocks(self, block_hashes: list[bytes], start: int) -> int:
+        if not self.pool_up() or start >= len(block_hashes):
+            return 0
+        self.stats.lookups += 1
+        try:
+            present = self.client.batch_exists([block_key(h) for h in block_hashes[start:]])
+        except KVPoolError as exc:
+            self._pool_failed("lookup", exc)
+            return 0
+        n = 0
+        for p in present:
+            if not p:
+                break
+            n += 1
+        return n
+
+    def load(self, blocks: list[BlockRef], block_ids: list[int]) -> int:
+        assert self._blocks is not None
+        if not blocks or not self.pool_up():
+            return 0
+        t0 = time.perf_counter()
+        heads = [bytearray(self._head_len) for _ in blocks]
+        parts = [[h, self._blocks[b]] for h, b in zip(heads, block_ids, strict=True)]
+        try:
+            sizes = self.client.batch_get_into_parts([block_key(r.block_hash) for r in blocks],
+                                                     parts)  # fmt: skip
+        except KVPoolError as exc:
+            self._pool_failed("load", exc)
+            return 0
+        n = 0
+        want = self._head_len + self.block_bytes
+        for ref, head, size in zip(blocks, heads, sizes, strict=True):
+            if size != want or self._tokens(head) != ref.token_ids:
+                if size == want:
+                    self.stats.token_mismatches += 1
+                break
+            n += 1
+        self.stats.loaded_blocks += n
+        self.stats.loaded_bytes += n * self.block_bytes
+        self.stats.load_seconds += time.perf_counter() - t0
+        return n
+
+    def _header(self, ref: BlockRef) -> bytes:
+        toks = np.asarray(ref.token_ids, dtype="<i4")
+        pad = np.zeros(self.block_size - len(toks), dtype="<i4")
+        head = _HEAD.pack(MAGIC, FORMAT_VERSION, len(toks), self.block_bytes)
+        return head + toks.tobytes() + pad.tobytes()
+
+    def _tokens(self, head: bytearray) -> tuple[int, ...] | None:
+        magic, version, n, payload = _HEAD.unpack_from(head, 0)
+        if magic != MAGIC or version != FORMAT_VERSION or payload != self.block_bytes:
+            return None
+        if n > self.block_size:
+            return None
+        return tuple(np.frombuffer(head, dtype="<i4", count=n, offset=_HEAD.size).tolist())
+
+    # -- saving --------------------------------------------------------------------------
+
+    @property
+    def saves(self) -> bool:
+        return self._save_enabled
+
+    def save(self, blocks: list[BlockRef]) -> None:
+        with self._done_lock:
+            for r in blocks:
+                self._pending[r.block_hash] = self._pending.get(r.block_hash, 0) + 1
+        self._queue.put(list(blocks))
+
+    def poll_saved(self) -> list[int]:
+        with self._done_lock:
+            done, self._done = self._done, []
+        return done
+
+    def wait_saved(self, block_hashes: list[bytes], timeout: float) -> bool:
+        """Block until none of ``block_hashes`` is still being saved; the wait is counted as
+        save time that was not hidden behind compute."""
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        with self._pending_cv:
+            while any(h in self._pending for h in block_hashes):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._pending_cv.wait(left)
+            ok = not any(h in self._pending for h in block_hashes)
+        self.stats.save_wait_seconds += time.perf_counter() - t0
+        return ok
+
+    def _save_loop(self) -> None:
+        while True:
+            refs = self._queue.get()
+            if refs is None:
+                return
+            while len(refs) < 64:  # gather what else is queued into one batch
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._queue.put(None)
+                    break
+                refs.extend(more)
+            self._save_batch(refs)
+
+    def _save_batch(self, refs: list[BlockRef]) -> None:
+        assert self._blocks is not None
+        t0 = time.perf_counter()
+        if self.pool_up():
+            keys = [block_key(r.block_hash) for r in refs]
+            parts = [[self._header(r), self._blocks[r.block_id]] for r in refs]
+            try:
+                results = self.client.batch_put_parts(keys, parts)
+            except KVPoolError as exc:
+                self._pool_failed("save", exc)
+                results = [exc] * len(refs)
+            ok = sum(1 for r in results if r is None or isinstance(r, AlreadyExistsError))
+            self.stats.saved_blocks += ok
+            self.stats.saved_bytes += ok * self.block_bytes
+            self.stats.dropped_saves += len(refs) - ok
+        else:
+            self.stats.dropped_saves += len(refs)
+        self.stats.save_seconds += time.perf_counter() - t0
+        with self._pending_cv:
+            for r in refs:
+                self._done.append(r.block_id)
+                left = self._pending.get(r.block_hash, 0) - 1
+                if left > 0:
+                    self._pending[r.block_hash] = left
+                else:
+                    self._pending.pop(r.block_hash, None)
+            self._pending_cv.notify_all()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(30)
+
+
+__all__ = ["ConnectorStats", "NotFoundError", "StoreConnector", "block_key"]

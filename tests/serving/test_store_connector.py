@@ -1,0 +1,113 @@
+"""The engine's KV connector on the real pool (an embedded master + node, real transfers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpool import SamplingParams
+from kvpool.common.errors import KVPoolError
+from kvpool.common.hashing import block_hashes
+from kvpool.serving.store_connector import MAGIC, StoreConnector, block_key
+from kvpool.store.embedded import EmbeddedStore
+
+
+@pytest.fixture
+def pool():
+    with EmbeddedStore(memory="64MiB") as store:
+        yield store
+
+
+def run(eng, prompt, sp, rid="r"):
+    eng.add_request(rid, prompt, sp)
+    outs = []
+    while eng.has_unfinished_requests():
+        outs = eng.step() or outs
+    return outs[-1]
+
+
+def prompt_of(seed: int, n: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_prefix_computed_by_one_engine_is_loaded_by_another(pool, tiny_engine_factory):
+    prompt = prompt_of(1, 41)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    a_conn = StoreConnector(pool)
+    a = tiny_engine_factory(connector=a_conn)
+    cold = run(a, prompt, sp).outputs[0].token_ids
+    hashes = a.pool.cached_hashes()
+    assert a_conn.wait_saved(hashes, timeout=10)
+    a._release_saved()
+    a.close()
+    assert a_conn.stats.saved_blocks >= 10
+    assert not a._saving and a.pool.usage() == 0  # every save gave its block back
+    assert all(pool.batch_exists([block_key(h) for h in hashes]))
+
+    b_conn = StoreConnector(pool)
+    b = tiny_engine_factory(connector=b_conn)
+    out = run(b, prompt, sp)
+    b.close()
+    assert out.outputs[0].token_ids == cold
+    assert out.num_cached_tokens == 40  # 10 blocks of 4 from the pool; the last token computed
+    assert b_conn.stats.loaded_blocks == 10
+    assert b_conn.stats.loaded_bytes == 10 * b_conn.block_bytes
+
+
+def test_stored_object_is_header_plus_block_bytes(pool, tiny_engine_factory):
+    conn = StoreConnector(pool)
+    eng = tiny_engine_factory(connector=conn)
+    prompt = prompt_of(2, 9)
+    run(eng, prompt, SamplingParams(temperature=0, max_tokens=1))
+    first = next(iter(eng.pool.cached_hashes()))
+    assert conn.wait_saved([first], 10)
+    raw = pool.get(block_key(first))
+    assert raw[:4] == MAGIC
+    block = eng.pool.lookup(first, tuple(prompt[:4]))
+    assert block is not None
+    payload = raw[-conn.block_bytes :]
+    assert payload == eng.kv_cache[block.block_id].contiguous().view(torch.uint8).numpy().tobytes()
+    eng.close()
+
+
+def test_forged_tokens_end_the_loaded_prefix(pool, tiny_engine_factory):
+    prompt = prompt_of(3, 20)
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    a_conn = StoreConnector(pool)
+    a = tiny_engine_factory(connector=a_conn)
+    cold = run(a, prompt, sp).outputs[0].token_ids
+    hashes = a.pool.cached_hashes()
+    assert a_conn.wait_saved(hashes, 10)
+    a.close()
+    # Replace block 2's object with one whose header names other tokens.
+    b_conn = StoreConnector(pool)
+    b = tiny_engine_factory(connector=b_conn)
+    keys = [block_key(x) for x in block_hashes(prompt, 4, b.kv_manager.hash_seed)]
+    forged = bytearray(pool.get(keys[2]))
+    forged[16] ^= 0xFF  # first token id of the header
+    pool.remove(keys[2], force=True)
+    pool.put(keys[2], bytes(forged))
+    out = run(b, prompt, sp)
+    assert out.outputs[0].token_ids == cold
+    assert out.num_cached_tokens == 8  # blocks 0 and 1 only
+    assert b_conn.stats.token_mismatches == 1
+    b.close()
+
+
+def test_unreachable_pool_falls_back_to_local_compute(tiny_engine_factory):
+    store = EmbeddedStore(memory="16MiB")
+    conn = StoreConnector(store, retry_after_s=60)
+    eng = tiny_engine_factory(connector=conn)
+    prompt = prompt_of(4, 17)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = run(eng, prompt, sp, "warm").outputs[0].token_ids
+    store.server.close()  # the master goes away
+    eng.reset_prefix_cache()
+    out = run(eng, prompt, sp, "after")
+    assert out.outputs[0].token_ids == want
+    assert not conn.pool_up() and conn.stats.pool_errors >= 1
+    eng.close()
+    store.node.close()
+    store.service.close()
+    with pytest.raises(KVPoolError):
+        store.exists("x")
