@@ -7,6 +7,7 @@ import sys
 
 from kvpool import __version__
 from kvpool.serving import cli_serve
+from kvpool.serving import worker as worker_cli
 from kvpool.store import cli as store_cli
 from kvpool.transfer import cli as transfer_cli
 
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export_hf(subparsers)
     transfer_cli.add_parser(subparsers)
     store_cli.add_parser(subparsers)
+    worker_cli.add_parser(subparsers)
     return parser
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import threading
 import urllib.error
 import urllib.request
 
@@ -126,3 +127,37 @@ class EtcdClient:
             "success": [{"request_put": put}],
         }
         return bool(self._call("kv/txn", body).get("succeeded", False))
+
+
+class Registration:
+    """Keeps ``key = value`` in etcd under a lease renewed in the background (membership).
+
+    The key vanishes ``ttl`` seconds after this process stops renewing it (crash, SIGKILL);
+    ``close()`` deletes it at once. A lost lease (etcd restarted, a long pause) is re-granted.
+    """
+
+    def __init__(self, etcd: EtcdClient, key: bytes, value: bytes, ttl: float = 5.0) -> None:
+        self.etcd, self.key, self.value, self.ttl = etcd, key, value, ttl
+        self._lease = 0
+        self._stop = threading.Event()
+        self._register()
+        self._thread = threading.Thread(target=self._renew, name="kvpool-etcd-reg", daemon=True)
+        self._thread.start()
+
+    def _register(self) -> None:
+        self._lease = self.etcd.lease_grant(self.ttl)
+        self.etcd.put(self.key, self.value, self._lease)
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            try:
+                if self.etcd.lease_keepalive(self._lease) <= 0:
+                    logger.warning("etcd lease of %s expired; registering again", self.key)
+                    self._register()
+            except EtcdError as exc:
+                logger.warning("etcd: renewing %s failed: %s", self.key, exc)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.etcd.lease_revoke(self._lease)

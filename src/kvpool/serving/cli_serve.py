@@ -24,6 +24,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help=f"address to bind (non-loopback needs ${AUTH_ENV}; default %(default)s)",
     )
     p.add_argument("--port", type=int, default=8000, help="default %(default)s")
+    add_engine_args(p)
+    p.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
+    )
+    p.set_defaults(func=run)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's flags (shared by ``serve`` and ``worker``)."""
     p.add_argument(
         "--model",
         default=None,
@@ -36,15 +45,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument(
         "--served-model-name",
         default=None,
         help=f"model name of the API (default: {DEFAULT_SERVED_NAME} or the folder name)",
     )
-    p.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
-    )
-    p.set_defaults(func=run)
 
 
 def served_name(args: argparse.Namespace) -> str:
@@ -113,6 +119,7 @@ def _engine_config(args: argparse.Namespace):
             max_model_len=args.max_model_len,
             enable_prefix_caching=not args.no_prefix_caching,
             served_model_name=served_name(args),
+            num_threads=args.threads,
         )
     except ValueError as exc:
         print(f"kvpool serve: invalid configuration: {exc}", file=sys.stderr)

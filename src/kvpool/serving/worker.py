@@ -1,0 +1,141 @@
+"""``kvpool worker``: one engine process of the disaggregated cluster (CLI code: prints are fine).
+
+A worker serves the OpenAI API over HTTP (the decode side: the conductor relays its streams),
+and a control API over the project's RPC (``WorkerControl``: status, prefill hand-off). With
+``--store`` its engine loads prefix blocks from the pool and publishes the blocks it computes.
+It prints one JSON line when ready (``{"ready": true, "id", "role", "http", "rpc", ...}``);
+with ``--etcd`` it also registers under ``/kvpool/workers/<id>`` (a lease renewed while it runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+
+from kvpool.common.errors import KVPoolError
+from kvpool.serving import cli_serve
+
+WORKERS_PREFIX = b"/kvpool/workers/"
+ROLES = ("prefill", "decode", "both")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("worker", help="one engine process of the cluster")
+    p.add_argument("--role", choices=ROLES, default="both")
+    p.add_argument("--id", default=None, help="worker id (default: <role>-<pid>)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
+    p.add_argument("--port", type=int, default=0, help="HTTP port (0: a free one)")
+    p.add_argument("--rpc-port", type=int, default=0, help="control RPC port (0: a free one)")
+    p.add_argument("--store", default=None,
+                   help="store master HOST:PORT or etcd://HOST:PORT (none: local cache only)")  # fmt: skip
+    p.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp"])
+    p.add_argument("--directory", default=None,
+                   help="segment directory of the pool: http://HOST:PORT or etcd://HOST:PORT "
+                        "(default: etcd://<--etcd> if given)")  # fmt: skip
+    p.add_argument("--etcd", default=None, help="etcd endpoints to register in (HOST:PORT,...)")
+    cli_serve.add_engine_args(p)
+    p.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error", "critical"])  # fmt: skip
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    token = os.environ.get(cli_serve.AUTH_ENV) or None
+    if not cli_serve.is_loopback(args.host) and token is None:
+        print(f"kvpool worker: binding {args.host} needs ${cli_serve.AUTH_ENV}", file=sys.stderr)
+        return 2
+    from kvpool.common.log import setup_logging
+
+    setup_logging(args.log_level)
+    config = cli_serve._engine_config(args)
+    if config is None:
+        return 2
+    previous = signal.signal(signal.SIGTERM, cli_serve._interrupt)
+    parts: list = []
+    try:
+        asyncio.run(_main(args, config, token, parts))
+    except KeyboardInterrupt:
+        pass
+    except KVPoolError as exc:
+        print(f"kvpool worker: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for close in reversed(parts):
+            try:
+                close()
+            except Exception as exc:  # keep closing the rest
+                print(f"kvpool worker: while stopping: {exc}", file=sys.stderr)
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+def _connector(args: argparse.Namespace, parts: list):
+    if not args.store:
+        return None
+    from kvpool.config import TransferConfig
+    from kvpool.serving.store_connector import StoreConnector
+    from kvpool.store.client import StoreClient
+
+    directory = args.directory or (f"etcd://{args.etcd}" if args.etcd else None)
+    if directory is None:
+        raise KVPoolError("--store needs --directory (or --etcd): where the pool's segments are")
+    transfer = TransferConfig(host=args.host, transport=args.transport, directory=directory)
+    client = StoreClient(args.store, transfer)
+    parts.append(client.close)
+    return StoreConnector(client)
+
+
+async def _main(args, config, token: str | None, parts: list) -> None:
+    from kvpool.common.rpc import RpcServer
+    from kvpool.engine.async_engine import AsyncLLMEngine
+    from kvpool.engine.llm_engine import LLMEngine
+    from kvpool.serving.api_server import build_app
+    from kvpool.serving.worker_control import WorkerControl
+
+    wid = args.id or f"{args.role}-{os.getpid()}"
+    connector = _connector(args, parts)
+    engine = LLMEngine(config, connector=connector)
+    aeng = AsyncLLMEngine(engine).start()
+    parts.append(aeng.shutdown)
+    sock = socket.create_server((args.host, args.port), family=_family(args.host))
+    http = f"{_url_host(args.host)}:{sock.getsockname()[1]}"
+    info = {"id": wid, "role": args.role, "http": http, "rpc": "",
+            "model": cli_serve.served_name(args), "pid": os.getpid()}  # fmt: skip
+    control = WorkerControl(info, aeng, asyncio.get_running_loop(), connector)
+    rpc = RpcServer(control, args.host, args.rpc_port, token=token, workers=4).start()
+    parts.append(rpc.close)
+    info["rpc"] = rpc.address
+    if args.etcd:
+        from kvpool.common.etcd import EtcdClient, Registration
+
+        reg = Registration(EtcdClient(args.etcd), WORKERS_PREFIX + wid.encode(),
+                           json.dumps(info).encode())  # fmt: skip
+        parts.append(reg.close)
+    app = build_app(aeng, cli_serve.served_name(args), api_key=token)
+    await _serve_http(app, sock, args.log_level, {"ready": True, **info, "store": args.store})
+
+
+async def _serve_http(app, sock: socket.socket, log_level: str, ready: dict) -> None:
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off",
+                                           timeout_graceful_shutdown=3))  # fmt: skip
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        print(json.dumps(ready), flush=True)
+    await task
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
