@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from kvpool import __version__
+from kvpool.conductor import cli as conductor_cli
 from kvpool.serving import cli_serve
 from kvpool.serving import worker as worker_cli
 from kvpool.store import cli as store_cli
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     transfer_cli.add_parser(subparsers)
     store_cli.add_parser(subparsers)
     worker_cli.add_parser(subparsers)
+    conductor_cli.add_parser(subparsers)
     return parser
 
 

@@ -16,8 +16,17 @@ DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 AUTH_ENV = "KVPOOL_AUTH_TOKEN"
 
 
+_PARSER: list[argparse.ArgumentParser] = []
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("serve", help="serve one engine over the OpenAI API (HTTP)")
+    p = subparsers.add_parser(
+        "serve",
+        help="the embedded cluster (pool, prefill and decode workers, conductor), or one engine",
+        description="With no flags: the pool, one prefill and one decode worker and the "
+        "conductor on 127.0.0.1:8000. --single: one engine process serving the API itself.",
+    )
+    _PARSER.append(p)
     p.add_argument(
         "--host",
         default="127.0.0.1",
@@ -25,10 +34,39 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--port", type=int, default=8000, help="default %(default)s")
     add_engine_args(p)
+    c = p.add_argument_group("cluster (ignored with --single)")
+    c.add_argument("--single", action="store_true", help="one engine, no pool, no conductor")
+    c.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    c.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    c.add_argument("--colocated", type=int, default=0, metavar="N",
+                   help="N workers each doing prefill and decode, local prefix caching only "
+                        "(the baseline; no pool)")  # fmt: skip
+    c.add_argument("--store-memory", default="1GiB", help="DRAM of the pool's node")
+    c.add_argument("--config", default=None, help="YAML file of these flags (CLI wins)")
+    from kvpool.conductor.cli import add_conductor_args
+
+    add_conductor_args(c)
     p.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
     )
     p.set_defaults(func=run)
+
+
+def apply_config_file(args: argparse.Namespace) -> None:
+    """Fill flags left at their defaults from ``--config`` (keys as flag names, - or _)."""
+    import yaml
+
+    with open(args.config) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{args.config}: expected a mapping of flag names to values")
+    parser = _PARSER[0]
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        if not hasattr(args, dest) or dest in ("config", "func"):
+            raise ValueError(f"{args.config}: unknown setting {key!r}")
+        if getattr(args, dest) == parser.get_default(dest):
+            setattr(args, dest, value)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -80,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     from kvpool.common.log import setup_logging
 
     setup_logging(args.log_level)
+    if not args.single:
+        return _run_cluster(args, token)
     config = _engine_config(args)
     if config is None:
         return 2
@@ -103,6 +143,28 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         print("kvpool serve: stopped", flush=True)
     return 0
+
+
+def _run_cluster(args: argparse.Namespace, token: str | None) -> int:
+    try:
+        if args.config:
+            apply_config_file(args)
+        if args.colocated < 0 or args.prefill < 0 or args.decode < 0:
+            raise ValueError("worker counts must be >= 0")
+        if not args.colocated and (args.prefill + args.decode) < 1:
+            raise ValueError("start at least one worker")
+    except (OSError, ValueError) as exc:
+        print(f"kvpool serve: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    if _engine_config(args) is None:
+        return 2
+    from kvpool.serving.launcher import launch
+
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return launch(args, token)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _engine_config(args: argparse.Namespace):

@@ -1,0 +1,117 @@
+"""``kvpool conductor``: the front door and global scheduler (CLI code: prints are fine)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+
+from kvpool.conductor.policies import POLICIES
+from kvpool.serving import cli_serve
+
+
+def add_conductor_args(p: argparse.ArgumentParser) -> None:
+    """Routing and admission flags (shared by ``conductor`` and ``serve``)."""
+    p.add_argument("--policy", default="cache_aware", choices=sorted(POLICIES))
+    p.add_argument("--balancing-threshold", type=float, default=0.25,
+                   help="cache_aware: how much slower (ratio) the holder of the longest "
+                        "prefix may be before another worker pulls it from the pool")  # fmt: skip
+    p.add_argument("--slo-ttft", type=float, default=30.0, help="TTFT SLO, seconds (0: off)")
+    p.add_argument("--slo-tbt", type=float, default=2.0, help="TBT SLO, seconds (0: off)")
+    p.add_argument("--max-inflight", type=int, default=64,
+                   help="requests in flight before new ones get 429 (default %(default)s)")  # fmt: skip
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("conductor", help="the OpenAI front door over separate workers")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--worker", action="append", default=[], metavar="HOST:PORT",
+                   help="a worker's control RPC address (repeat; or use --etcd)")  # fmt: skip
+    p.add_argument("--etcd", default=None, help="etcd endpoints where workers register")
+    p.add_argument("--store", default=None, help="the pool's master HOST:PORT or etcd://...")
+    p.add_argument("--model", default=None, help="model whose tokenizer to load (default SmolLM2)")
+    p.add_argument("--served-model-name", default=None)
+    add_conductor_args(p)
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=run)
+
+
+def build(args: argparse.Namespace, workers: list[str], token: str | None):
+    """A started ClusterState and the Conductor over it."""
+    from kvpool.conductor.api import Conductor
+    from kvpool.conductor.cluster import ClusterState
+    from kvpool.conductor.policies import get_policy
+    from kvpool.conductor.router import Router, SLOConfig
+    from kvpool.model.loader import load_tokenizer
+
+    kwargs = {"balancing_threshold": args.balancing_threshold} \
+        if args.policy == "cache_aware" else {}  # fmt: skip
+    router = Router(
+        get_policy(args.policy, **kwargs),
+        SLOConfig(args.slo_ttft or None, args.slo_tbt or None, args.max_inflight),
+    )
+    store = getattr(args, "store", None)
+    cluster = ClusterState(workers, etcd=getattr(args, "etcd", None), store=store,
+                           token=token).start()  # fmt: skip
+    tok = load_tokenizer(args.model)
+    return Conductor(cluster, router, tok, cli_serve.served_name(args), token=token)
+
+
+async def serve_conductor(conductor, host: str, port: int, log_level: str, api_key: str | None,
+                          on_ready=None) -> None:  # fmt: skip
+    import uvicorn
+
+    from kvpool.conductor.api import build_conductor_app
+
+    app = build_conductor_app(conductor, api_key)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            lifespan="off",
+            timeout_graceful_shutdown=3,
+        )
+    )
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started and on_ready is not None:
+        on_ready()
+    try:
+        await task
+    finally:
+        await conductor.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    token = os.environ.get(cli_serve.AUTH_ENV) or None
+    if not cli_serve.is_loopback(args.host) and token is None:
+        print(f"kvpool conductor: binding {args.host} needs ${cli_serve.AUTH_ENV}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if not args.worker and not args.etcd:
+        print("kvpool conductor: give --worker addresses or --etcd", file=sys.stderr)
+        return 2
+    from kvpool.common.log import setup_logging
+
+    setup_logging(args.log_level)
+    previous = signal.signal(signal.SIGTERM, cli_serve._interrupt)
+    conductor = None
+    try:
+        conductor = build(args, args.worker, token)
+        ready = lambda: print(f"kvpool conductor: ready on http://{args.host}:{args.port}/v1",  # noqa: E731
+                              flush=True)  # fmt: skip
+        asyncio.run(serve_conductor(conductor, args.host, args.port, args.log_level, token,
+                                    ready))  # fmt: skip
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if conductor is not None:
+            conductor.cluster.close()
+        signal.signal(signal.SIGTERM, previous)
+    return 0

@@ -1,0 +1,227 @@
+"""The conductor's live view of the cluster: workers polled over RPC, the pool via its master.
+
+Workers come from a static list of control addresses or from etcd (``/kvpool/workers/``). A
+poller thread calls each worker's ``status`` every ``poll_interval`` seconds, applies its block
+events to the worker's cached-hash set, and keeps its load and cost model. A worker that has
+not answered for ``dead_after`` seconds is dropped from routing (and forgotten when etcd no
+longer lists it). ``snapshot()`` returns the plain ``ClusterSnapshot`` the policies read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kvpool.common.errors import KVPoolError
+from kvpool.common.rpc import RpcClient
+from kvpool.conductor.cluster_state import (
+    ClusterSnapshot,
+    CostModel,
+    WorkerLoad,
+    WorkerView,
+)
+
+logger = logging.getLogger(__name__)
+WORKERS_PREFIX = b"/kvpool/workers/"
+
+
+@dataclass(slots=True)
+class _Worker:
+    rpc: RpcClient
+    view: WorkerView | None = None
+    last_ok: float = field(default_factory=time.monotonic)
+    event_seq: int = 0
+    cached: set[bytes] = field(default_factory=set)
+    status: dict = field(default_factory=dict)
+    inflight: int = 0
+    failures: int = 0
+
+
+class ClusterState:
+    """Polls workers and the pool; thread-safe snapshots for the router."""
+
+    def __init__(self, workers: list[str] | None = None, etcd: str | None = None,
+                 store: str | None = None, poll_interval: float = 0.2,
+                 dead_after: float = 2.0, token: str | None = None) -> None:  # fmt: skip
+        self.static = list(workers or [])
+        self.etcd = None
+        if etcd:
+            from kvpool.common.etcd import EtcdClient
+
+            self.etcd = EtcdClient(etcd, timeout=2.0)
+        self.poll_interval, self.dead_after, self.token = poll_interval, dead_after, token
+        self._workers: dict[str, _Worker] = {}  # by rpc address
+        self._lock = threading.Lock()
+        self.store = None
+        if store:
+            from kvpool.store.link import MasterLink
+
+            self.store = MasterLink(store, token=token, timeout=1.0)
+        self.pool_up = self.store is not None
+        self.pool_stats: dict = {}
+        self._pool_checked = 0.0
+        self.namespace: str | None = None
+        self.block_size = 16
+        self.block_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvpool-cluster", daemon=True)
+
+    def start(self) -> ClusterState:
+        self.poll_once()
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        with self._lock:
+            for w in self._workers.values():
+                w.rpc.close()
+        if self.store is not None:
+            self.store.close()
+
+    # -- polling ---------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_interval):
+            try:
+                self.poll_once()
+            except Exception:  # the poller must survive anything
+                logger.exception("cluster poll failed")
+
+    def _addresses(self) -> list[str]:
+        addrs = list(self.static)
+        if self.etcd is not None:
+            try:
+                for _, value in self.etcd.get_prefix(WORKERS_PREFIX):
+                    addrs.append(json.loads(value)["rpc"])
+            except (KVPoolError, ValueError, KeyError) as exc:
+                logger.warning("worker discovery in etcd failed: %s", exc)
+                with self._lock:
+                    return list(self._workers) or addrs  # keep what we know
+        return list(dict.fromkeys(addrs))
+
+    def poll_once(self) -> None:
+        addrs = self._addresses()
+        with self._lock:
+            for a in addrs:
+                if a not in self._workers:
+                    self._workers[a] = _Worker(RpcClient(a, token=self.token, timeout=1.0))
+            gone = [a for a in self._workers if a not in addrs]
+            for a in gone:
+                self._workers.pop(a).rpc.close()
+            items = list(self._workers.items())
+        for addr, w in items:
+            self._poll_worker(addr, w)
+        self._poll_pool()
+
+    def _poll_worker(self, addr: str, w: _Worker) -> None:
+        try:
+            st = w.rpc.call("status", w.event_seq)
+        except KVPoolError as exc:
+            w.failures += 1
+            if w.view is not None and w.view.alive and self._dead(w):
+                logger.warning("worker %s (%s) stopped answering: %s", w.view.id, addr, exc)
+                w.view.alive = False
+            return
+        w.failures = 0
+        w.last_ok = time.monotonic()
+        if "snapshot" in st:
+            w.cached = {bytes.fromhex(h) for h in st["snapshot"]}
+        for _, kind, h in st.get("events", []):
+            (w.cached.add if kind == "stored" else w.cached.discard)(bytes.fromhex(h))
+        w.event_seq = int(st.get("event_seq", 0))
+        w.status = st
+        ld = st["load"]
+        load = WorkerLoad(ld["queued_prefill_tokens"], ld["running"], ld["waiting"],
+                          ld["kv_usage"], list(ld.get("remaining_tokens", [])), w.inflight)  # fmt: skip
+        alive = bool(st.get("alive", True))
+        if w.view is None:
+            logger.info("worker %s joined: %s, http %s", st["id"], st["role"], st["http"])
+        w.view = WorkerView(st["id"], st["role"], st["http"], st["rpc"] or addr, load,
+                            CostModel.from_dict(st.get("cost", {})), w.cached, alive)  # fmt: skip
+        if self.namespace is None:
+            self.namespace, self.block_size = st["namespace"], int(st["block_size"])
+            self.block_bytes = int(st.get("block_bytes", 0))
+        elif st["namespace"] != self.namespace:
+            logger.error("worker %s serves another model/KV format; not routing to it", st["id"])
+            w.view.alive = False
+
+    def _dead(self, w: _Worker) -> bool:
+        return time.monotonic() - w.last_ok > self.dead_after
+
+    def _poll_pool(self) -> None:
+        if self.store is None or time.monotonic() - self._pool_checked < 1.0:
+            return
+        self._pool_checked = time.monotonic()
+        try:
+            self.pool_stats = self.store.call("stats")
+            self.pool_up = True
+        except KVPoolError as exc:
+            if self.pool_up:
+                logger.warning("the pool's master is unreachable: %s", exc)
+            self.pool_up = False
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def snapshot(self) -> ClusterSnapshot:
+        with self._lock:
+            views = []
+            for w in self._workers.values():
+                if w.view is None:
+                    continue
+                if w.view.alive and self._dead(w):
+                    w.view.alive = False
+                w.view.load.inflight = w.inflight
+                views.append(w.view)
+        return ClusterSnapshot(views, block_bytes=self.block_bytes, pool_up=self.pool_up)
+
+    def worker(self, worker_id: str) -> _Worker | None:
+        with self._lock:
+            for w in self._workers.values():
+                if w.view is not None and w.view.id == worker_id:
+                    return w
+        return None
+
+    def mark_failed(self, worker_id: str) -> None:
+        """A request saw this worker fail: stop routing to it until it answers a poll again."""
+        w = self.worker(worker_id)
+        if w is not None and w.view is not None:
+            w.view.alive = False
+            w.last_ok = 0.0
+
+    def pool_prefix_blocks(self, keys: list[str]) -> int:
+        """How many leading blocks of a chain the pool holds (0 when it is unreachable)."""
+        if self.store is None or not self.pool_up or not keys:
+            return 0
+        try:
+            present = self.store.call("batch_exists", keys)
+        except KVPoolError:
+            self.pool_up = False
+            return 0
+        n = 0
+        for p in present:
+            if not p:
+                break
+            n += 1
+        return n
+
+    def describe(self) -> dict:
+        """The ``/cluster`` document."""
+        snap = self.snapshot()
+        workers = []
+        with self._lock:
+            statuses = {w.view.id: w.status for w in self._workers.values() if w.view}
+        for v in snap.workers:
+            st = statuses.get(v.id, {})
+            workers.append({
+                "id": v.id, "role": v.role, "address": v.address, "rpc": v.rpc,
+                "alive": v.alive, "load": v.load.to_dict(), "cost": v.cost.to_dict(),
+                "cached_blocks": len(v.cached), "counters": st.get("counters", {}),
+            })  # fmt: skip
+        store = {"up": self.pool_up, **self.pool_stats} if self.store is not None else None
+        return {"workers": workers, "store": store, "namespace": self.namespace,
+                "block_size": self.block_size}  # fmt: skip

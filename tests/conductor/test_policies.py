@@ -1,0 +1,141 @@
+"""Routing policies and admission as pure functions of made-up cluster snapshots."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.common.errors import RejectedError, UnavailableError
+from kvpool.conductor.cluster_state import (
+    ClusterSnapshot,
+    CostModel,
+    RequestInfo,
+    WorkerLoad,
+    WorkerView,
+)
+from kvpool.conductor.policies import get_policy, predicted_tbt, predicted_ttft
+from kvpool.conductor.router import Router, SLOConfig
+
+COST = CostModel(prefill_base_s=0.01, prefill_token_s=0.001, decode_base_s=0.02,
+                 decode_seq_s=0.005)  # fmt: skip
+HASHES = tuple(bytes([i]) * 16 for i in range(8))  # an 8-block chain
+BLOCK_BYTES = 1 << 20
+
+
+def worker(wid, role="prefill", cached=0, queued=0, running=0, remaining=(), inflight=0):
+    load = WorkerLoad(queued, running, 0, 0.0, list(remaining), inflight)
+    return WorkerView(wid, role, f"h:{wid}", f"r:{wid}", load, COST, set(HASHES[:cached]))
+
+
+def req(blocks=8, pool=0, tokens=None):
+    n = tokens if tokens is not None else blocks * 16 + 5
+    return RequestInfo(n, HASHES[:blocks], 16, 32, pool)
+
+
+def snap(*workers, pool_up=True, bw=1e9):
+    return ClusterSnapshot(list(workers), pool_bytes_per_s=bw, block_bytes=BLOCK_BYTES,
+                           pool_up=pool_up)  # fmt: skip
+
+
+def test_ttft_counts_queue_uncached_tokens_and_pool_transfer():
+    w = worker("a", cached=2, queued=100)
+    p = predicted_ttft(snap(w), w, req(pool=6))
+    # queue: 0.01 + 0.1; compute: 133 - 96 = 37 tokens; transfer: 4 blocks of 1 MiB at 1 GB/s
+    assert p.local_blocks == 2 and p.pool_blocks == 4
+    assert p.predicted_s == pytest.approx(0.11 + (0.01 + 0.037) + 4 * BLOCK_BYTES / 1e9)
+    down = predicted_ttft(snap(w, pool_up=False), w, req(pool=6))
+    assert down.pool_blocks == 0 and down.predicted_s == pytest.approx(0.11 + 0.01 + 0.101)
+
+
+def test_cache_aware_prefers_the_holder_of_the_prefix():
+    holder, other = worker("a", cached=8), worker("b")
+    assert get_policy("cache_aware").choose_prefill(snap(holder, other), req()).worker_id == "a"
+    # without the pool the other worker would recompute everything: still the holder
+    got = get_policy("cache_aware").choose_prefill(snap(holder, other, pool_up=False), req())
+    assert got.worker_id == "a"
+
+
+def test_cache_aware_replicates_a_hot_prefix_beyond_the_threshold():
+    policy = get_policy("cache_aware", balancing_threshold=0.25)
+    other = worker("b")
+    slightly_busy = worker("a", cached=8, queued=2)  # 0.027 s vs b: 0.023 s (8 MiB to load)
+    assert policy.choose_prefill(snap(slightly_busy, other), req(pool=8)).worker_id == "a"
+    hot = worker(
+        "a", cached=8, queued=100
+    )  # 0.125 s; b: 0.023 s pulling 8 blocks, 0.143 s recomputing
+    got = policy.choose_prefill(snap(hot, other), req(pool=8))
+    assert got.worker_id == "b" and got.pool_blocks == 8
+    # if the pool does not have it, b would recompute: the hot holder may still win
+    assert policy.choose_prefill(snap(hot, other), req(pool=0)).worker_id == "a"
+
+
+def test_cache_aware_ignores_dead_and_decode_workers():
+    dead = worker("a", cached=8)
+    dead.alive = False
+    dec = worker("d", role="decode", cached=8)
+    got = get_policy("cache_aware").choose_prefill(snap(dead, dec, worker("b")), req())
+    assert got.worker_id == "b"
+    assert get_policy("cache_aware").choose_prefill(snap(dead, dec), req()) is None
+
+
+def test_round_robin_random_and_least_load():
+    ws = [worker("a", queued=50), worker("b", queued=10), worker("c", queued=30)]
+    rr = get_policy("round_robin")
+    assert [rr.choose_prefill(snap(*ws), req()).worker_id for _ in range(4)] == list("abca")
+    assert get_policy("least_load").choose_prefill(snap(*ws), req()).worker_id == "b"
+    picks = {get_policy("random", seed=s).choose_prefill(snap(*ws), req()).worker_id
+             for s in range(20)}  # fmt: skip
+    assert picks == {"a", "b", "c"}
+    r1, r2 = get_policy("random", seed=7), get_policy("random", seed=7)
+    assert [r1.choose_prefill(snap(*ws), req()).worker_id for _ in range(5)] == \
+        [r2.choose_prefill(snap(*ws), req()).worker_id for _ in range(5)]  # fmt: skip
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        get_policy("fastest")
+
+
+def test_tbt_is_predicted_at_arrival_time():
+    # 4 running: two finish within 0.1 s (2 tokens left at ~0.04 s/step), two run long
+    w = worker("d", role="decode", running=4, remaining=[2, 2, 100, 100])
+    now = predicted_tbt(w, 0.0)
+    later = predicted_tbt(w, 1.0)
+    assert now == pytest.approx(COST.decode_step_s(5))
+    assert later == pytest.approx(COST.decode_step_s(3))
+    routed = worker("d", role="decode", running=0, inflight=3)  # already sent its way
+    assert predicted_tbt(routed, 0.5) == pytest.approx(COST.decode_step_s(4))
+
+
+def test_decode_choice_keeps_tbt_lowest():
+    busy = worker("d1", role="decode", running=20, remaining=[500] * 20)
+    idle = worker("d2", role="decode")
+    got = get_policy("cache_aware").choose_decode(snap(busy, idle), req(), 0.5)
+    assert got.worker_id == "d2"
+
+
+def test_router_disaggregated_colocated_and_fallbacks():
+    r = Router(get_policy("cache_aware"), SLOConfig(ttft_s=None, tbt_s=None))
+    route = r.route(snap(worker("p"), worker("d", role="decode")), req(), 0)
+    assert route.prefill.worker_id == "p" and route.decode.worker_id == "d"
+    both = r.route(snap(worker("x", role="both")), req(), 0)
+    assert both.prefill is None and both.decode.worker_id == "x"
+    only_decode = r.route(snap(worker("d", role="decode")), req(), 0)
+    assert only_decode.prefill is None and only_decode.decode.worker_id == "d"
+    only_prefill = r.route(snap(worker("p")), req(), 0)  # every decode worker died
+    assert only_prefill.prefill is None and only_prefill.decode.worker_id == "p"
+    with pytest.raises(UnavailableError):
+        r.route(snap(), req(), 0)
+
+
+def test_admission_rejects_by_reason():
+    ws = snap(worker("p", queued=5000), worker("d", role="decode", running=50))
+    with pytest.raises(RejectedError) as e:
+        Router(get_policy("least_load"), SLOConfig(ttft_s=1.0, tbt_s=None)).route(ws, req(), 0)
+    assert e.value.reason == "ttft_slo" and e.value.retry_after >= 1 and e.value.http_status == 429
+    with pytest.raises(RejectedError) as e:
+        Router(get_policy("least_load"), SLOConfig(ttft_s=None, tbt_s=0.1)).route(ws, req(), 0)
+    assert e.value.reason == "tbt_slo"
+    with pytest.raises(RejectedError) as e:
+        Router(get_policy("least_load"), SLOConfig(max_inflight=3)).route(ws, req(), 3)
+    assert e.value.reason == "queue_full"
+    ok = Router(get_policy("least_load"), SLOConfig(ttft_s=10.0, tbt_s=0.5)).route(ws, req(), 0)
+    assert ok.predicted_ttft_s < 10 and ok.predicted_tbt_s < 0.5
+    with pytest.raises(ValueError):
+        SLOConfig(ttft_s=-1)
