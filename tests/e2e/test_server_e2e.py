@@ -1,86 +1,26 @@
-"""`kvpool serve` with the real SmolLM2 model as a subprocess, driven by the official OpenAI client."""
+"""`kvpool serve --single` with the real SmolLM2 model as a subprocess, driven by the official OpenAI client."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from e2e_helpers import serve
 
 openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
-STARTUP_TIMEOUT = 180.0  # the first start converts the GGUF into ~/.cache/kvpool
 LONG_PROMPT = "In a quiet village by the sea, the fishermen told old stories every night. " * 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _kvpool_cmd() -> list[str]:
-    script = Path(sys.executable).with_name("kvpool")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "kvpool.cli"]
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"kvpool serve exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"kvpool serve not healthy after {STARTUP_TIMEOUT:.0f}s:\n{log.read_text()}")
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """(process, base url) of `kvpool serve` on a free 127.0.0.1 port; stopped with SIGTERM."""
-    port = _free_port()
+    """(process, base url) of `kvpool serve --single` on a free port; stopped with SIGTERM."""
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    env = {k: v for k, v in os.environ.items() if k != "KVPOOL_AUTH_TOKEN"}
-    env["HF_HUB_OFFLINE"] = "1"
-    cmd = [
-        *_kvpool_cmd(),
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--kv-cache-memory",
-        "1GiB",
-    ]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(proc, url, log)
-        yield proc, url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-                pytest.fail(f"kvpool serve ignored SIGTERM:\n{log.read_text()}")
-    assert proc.returncode == 0, log.read_text()
-    assert "ready on" in log.read_text() and "stopped" in log.read_text()
+    yield from serve(log, "--single", "--kv-cache-memory", "1GiB")
 
 
 @pytest.fixture(scope="module")

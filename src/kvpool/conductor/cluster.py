@@ -63,6 +63,7 @@ class ClusterState:
         self.pool_up = self.store is not None
         self.pool_stats: dict = {}
         self._pool_checked = 0.0
+        self.processes: dict[str, dict] = {}  # what a launcher started: name -> {pid, ...}
         self.namespace: str | None = None
         self.block_size = 16
         self.block_bytes = 0
@@ -219,9 +220,10 @@ class ClusterState:
             st = statuses.get(v.id, {})
             workers.append({
                 "id": v.id, "role": v.role, "address": v.address, "rpc": v.rpc,
-                "alive": v.alive, "load": v.load.to_dict(), "cost": v.cost.to_dict(),
+                "alive": v.alive, "pid": st.get("pid"), "load": v.load.to_dict(),
+                "cost": v.cost.to_dict(),
                 "cached_blocks": len(v.cached), "counters": st.get("counters", {}),
             })  # fmt: skip
         store = {"up": self.pool_up, **self.pool_stats} if self.store is not None else None
         return {"workers": workers, "store": store, "namespace": self.namespace,
-                "block_size": self.block_size}  # fmt: skip
+                "block_size": self.block_size, "processes": self.processes}  # fmt: skip

@@ -166,6 +166,11 @@ def launch(args: argparse.Namespace, token: str | None) -> int:
             )
         args.store, args.etcd = master, None
         conductor = build(args, [c.info["rpc"] for c in workers], token)
+        conductor.cluster.processes = {
+            c.name: {"pid": c.proc.pid, **{k: v for k, v in c.info.items() if k != "ready"}}
+            for c in children
+            if c.proc is not None
+        }
         _wait_all_alive(conductor, len(workers))
 
         def ready() -> None:

@@ -1,0 +1,67 @@
+"""Starting and stopping `kvpool serve` (single engine or cluster) as a real subprocess."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+STARTUP_TIMEOUT = 240.0  # the first start converts the GGUF into ~/.cache/kvpool
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kvpool_cmd() -> list[str]:
+    script = Path(sys.executable).with_name("kvpool")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "kvpool.cli"]
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"kvpool serve exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"kvpool serve not healthy after {STARTUP_TIMEOUT:.0f}s:\n{log.read_text()}")
+
+
+def serve(log: Path, *flags: str):
+    """Generator for a module fixture: yields (process, base url); stops it with SIGTERM and
+    checks it stopped cleanly."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "KVPOOL_AUTH_TOKEN"}
+    env["HF_HUB_OFFLINE"] = "1"
+    cmd = [*kvpool_cmd(), "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, log)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+                pytest.fail(f"kvpool serve ignored SIGTERM:\n{log.read_text()}")
+    assert proc.returncode == 0, log.read_text()
+    assert "ready on" in log.read_text() and "stopped" in log.read_text()

@@ -1,0 +1,171 @@
+"""`kvpool serve` as the disaggregated cluster (pool, 2 prefill + 1 decode workers, conductor)
+with the real model, driven by the official OpenAI client. Destructive steps run last."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from e2e_helpers import serve
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+SYSTEM = "You are a helpful assistant who answers geography questions in one short sentence. "
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    log = tmp_path_factory.mktemp("cluster") / "serve.log"
+    yield from serve(log, "--prefill", "2", "--decode", "1", "--policy", "round_robin",
+                     "--kv-cache-memory", "256MiB", "--store-memory", "512MiB",
+                     "--max-inflight", "4", "--slo-ttft", "0", "--slo-tbt", "0")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=f"{cluster[1]}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy outputs of one in-process engine (the single-engine baseline)."""
+    from kvpool.engine.llm import LLM
+
+    return LLM(kv_cache_memory_bytes="128MiB")
+
+
+def cluster_doc(url: str) -> dict:
+    return httpx.get(f"{url}/cluster", timeout=10).json()
+
+
+def counters(url: str) -> dict[str, dict]:
+    return {w["id"]: w["counters"] for w in cluster_doc(url)["workers"]}
+
+
+def chat(client, messages, **kw):
+    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                          max_tokens=24, **kw)  # fmt: skip
+
+
+def single_engine_chat(llm, messages, max_tokens=24) -> str:
+    from kvpool import SamplingParams
+
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=max_tokens))[0]
+    return out.outputs[0].text
+
+
+def test_cluster_document_and_health(cluster):
+    doc = cluster_doc(cluster[1])
+    roles = sorted(w["role"] for w in doc["workers"])
+    assert roles == ["decode", "prefill", "prefill"] and all(w["alive"] for w in doc["workers"])
+    assert doc["store"]["up"] is True and doc["store"]["nodes"] == 1
+    assert {"store-master", "store-node", "prefill-1", "prefill-2", "decode-1"} <= set(
+        doc["processes"]
+    )
+    assert httpx.get(f"{cluster[1]}/health").json()["status"] == "ok"
+
+
+def test_multi_turn_chat_reuses_the_prefix_and_matches_one_engine(client, reference):
+    turn1 = [{"role": "system", "content": SYSTEM * 3},
+             {"role": "user", "content": "What is the capital of France?"}]  # fmt: skip
+    first = chat(client, turn1)
+    answer = first.choices[0].message.content
+    assert answer == single_engine_chat(reference, turn1)
+    turn2 = [*turn1, {"role": "assistant", "content": answer},
+             {"role": "user", "content": "And the capital of Italy?"}]  # fmt: skip
+    stream = chat(client, turn2, stream=True, stream_options={"include_usage": True})
+    text, usage = "", None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        usage = chunk.usage or usage
+    assert text == single_engine_chat(reference, turn2)
+    assert usage.prompt_tokens_details.cached_tokens > 0  # turn 1's prefix was reused
+
+
+def test_prefix_computed_on_one_prefill_worker_is_loaded_by_the_other(cluster, client):
+    url = cluster[1]
+    before = counters(url)
+    shared = "Background: " + "the river flows north through the old valley. " * 12
+    outs = []
+    for q in ["Where does the river flow?", "What is old?"]:  # round robin: one per worker
+        outs.append(client.completions.create(model=MODEL, prompt=shared + q, max_tokens=4,
+                                              temperature=0))  # fmt: skip
+    after = counters(url)
+    pool_hits = {w: after[w]["prefix_hits_pool"] - before[w]["prefix_hits_pool"]
+                 for w in ("prefill-1", "prefill-2")}  # fmt: skip
+    assert max(pool_hits.values()) >= 64, pool_hits  # >= 4 blocks of 16 from the pool
+    loaded = after["decode-1"]["pool_loaded_bytes"] - before["decode-1"]["pool_loaded_bytes"]
+    assert loaded > 0
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'kvpool_prefix_cache_hits_total{source="pool"}' in metrics
+    assert "kvpool_time_to_first_token_seconds_count" in metrics
+
+
+def test_overload_gets_429_with_retry_after_and_no_unbounded_queue(cluster):
+    url = cluster[1]
+    body = {"model": MODEL, "prompt": "Count slowly: one, two, three,", "max_tokens": 24,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+
+    def one(_):
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        return r.status_code, r.headers.get("retry-after"), r.json()
+
+    with cf.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(16)))
+    codes = [c for c, _, _ in results]
+    assert codes.count(429) >= 4 and codes.count(200) >= 4, codes  # --max-inflight 4
+    assert set(codes) <= {200, 429}
+    for code, retry, doc in results:
+        if code == 429:
+            assert retry is not None and int(retry) >= 1
+            assert doc["error"]["type"] == "rate_limit_error"
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'kvpool_requests_rejected_total{reason="queue_full"}' in metrics
+    time.sleep(0.5)
+    assert all(w["load"]["inflight"] == 0 for w in cluster_doc(url)["workers"])
+
+
+def test_service_survives_the_pool_stopping(cluster, client):
+    url = cluster[1]
+    procs = cluster_doc(url)["processes"]
+    for name in ("store-node", "store-master"):
+        os.kill(procs[name]["pid"], signal.SIGTERM)
+    time.sleep(1.5)
+    for q in ["Name a color.", "Name a fruit."]:
+        out = client.completions.create(model=MODEL, prompt="Question: " + q, max_tokens=6,
+                                        temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+        assert out.usage.completion_tokens == 6
+    assert cluster_doc(url)["store"]["up"] is False
+
+
+def test_decode_worker_killed_mid_stream(cluster, client):
+    url = cluster[1]
+    pid = cluster_doc(url)["processes"]["decode-1"]["pid"]
+    stream = client.completions.create(model=MODEL, prompt="Tell a long story about a ship.",
+                                       max_tokens=400, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    got = 0
+    with pytest.raises(openai.APIError):
+        for _chunk in stream:
+            got += 1
+            if got == 3:
+                os.kill(pid, signal.SIGKILL)
+    assert got >= 3
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # removed from routing within seconds
+        if not next(w for w in cluster_doc(url)["workers"] if w["id"] == "decode-1")["alive"]:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("the dead decode worker is still listed alive")
+    out = client.completions.create(model=MODEL, prompt="After the storm,", max_tokens=8,
+                                    temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    assert out.usage.completion_tokens == 8  # served by a prefill worker doing both
