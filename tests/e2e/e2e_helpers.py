@@ -65,3 +65,29 @@ def serve(log: Path, *flags: str):
                 pytest.fail(f"kvpool serve ignored SIGTERM:\n{log.read_text()}")
     assert proc.returncode == 0, log.read_text()
     assert "ready on" in log.read_text() and "stopped" in log.read_text()
+
+
+class Proc:
+    """A ``kvpool`` subcommand that prints one JSON line when ready (store, worker)."""
+
+    def __init__(self, *argv: str) -> None:
+        import json
+
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+        self.proc = subprocess.Popen([*kvpool_cmd(), *argv], stdout=subprocess.PIPE, text=True,
+                                     env=env)  # fmt: skip
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{argv} exited with {self.proc.wait(10)}")
+        self.info = json.loads(line)
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc.stdout.close()
+        return self.proc.returncode
