@@ -77,7 +77,8 @@ class ClusterState:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(5)
+        if self._thread.is_alive():
+            self._thread.join(5)
         with self._lock:
             for w in self._workers.values():
                 w.rpc.close()

@@ -1,0 +1,112 @@
+"""The conductor's poller against real RPC servers standing in for workers (a unit-test seam;
+the real workers are in tests/e2e)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvpool.common.rpc import RpcServer
+from kvpool.conductor.cluster import ClusterState
+from kvpool.engine.block_pool import MAX_EVENTS, BlockPool
+from kvpool.serving.step_model import StepModel
+
+
+class FakeWorker:
+    """Answers ``status`` like a worker whose cache is ``pool``."""
+
+    def __init__(self, wid: str, role: str) -> None:
+        self.pool = BlockPool(64)
+        self.wid, self.role = wid, role
+        self.calls: list[int] = []
+
+    def status(self, since: int = 0) -> dict:
+        self.calls.append(since)
+        out = {"id": self.wid, "role": self.role, "http": "127.0.0.1:1", "rpc": "", "pid": 1,
+               "alive": True, "namespace": "ns", "block_size": 16, "block_bytes": 1024,
+               "load": {"queued_prefill_tokens": 5, "running": 1, "waiting": 0, "kv_usage": 0.1,
+                        "remaining_tokens": [3]},
+               "cost": {"prefill_token_s": 0.01}, "counters": {}}  # fmt: skip
+        events = self.pool.events_since(since)
+        if events is None or since <= 0:
+            out["snapshot"] = [h.hex() for h in self.pool.cached_hashes()]
+            out["events"] = []
+        else:
+            out["events"] = [[e.seq, e.kind, e.block_hash.hex()] for e in events]
+        out["event_seq"] = self.pool.event_seq
+        return out
+
+
+def cache(pool: BlockPool, tag: int) -> bytes:
+    [block] = pool.allocate(1)
+    h = bytes([tag]) * 16
+    assert pool.cache_block(block, h, (tag,))
+    pool.free([block])
+    return h
+
+
+@pytest.fixture
+def worker():
+    fake = FakeWorker("w1", "prefill")
+    with RpcServer({"status": fake.status}) as srv:
+        yield fake, srv
+
+
+def test_events_keep_the_conductor_view_of_a_cache_exact(worker):
+    fake, srv = worker
+    first = cache(fake.pool, 1)
+    cluster = ClusterState([srv.address], poll_interval=60)
+    cluster.poll_once()
+    [view] = cluster.snapshot().workers
+    assert view.cached == {first} and fake.calls == [0]  # a snapshot first
+    assert view.load.queued_prefill_tokens == 5 and view.cost.prefill_token_s == 0.01
+    second = cache(fake.pool, 2)
+    fake.pool.allocate(fake.pool.num_free_blocks)  # reuses (evicts) both cached blocks
+    cluster.poll_once()
+    assert fake.calls[-1] > 0  # then only events
+    assert cluster.snapshot().workers[0].cached == set()
+    assert second not in cluster.snapshot().workers[0].cached
+    assert cluster.namespace == "ns" and cluster.block_size == 16
+    cluster.close()
+
+
+def test_too_many_events_fall_back_to_a_snapshot():
+    pool = BlockPool(8)
+    for i in range(MAX_EVENTS // 2 + 10):  # stored + removed per turn
+        cache(pool, i % 250)
+        pool.reset_cache()
+    assert pool.events_since(1) is None
+    assert pool.events_since(pool.event_seq) == []
+    assert [e.kind for e in pool.events_since(pool.event_seq - 2)] == ["stored", "removed"]
+
+
+def test_a_silent_worker_is_dropped_within_seconds(worker):
+    _, srv = worker
+    cluster = ClusterState([srv.address], poll_interval=0.1, dead_after=0.5).start()
+    assert cluster.snapshot().workers[0].alive
+    srv.close()
+    deadline = time.monotonic() + 5
+    while cluster.snapshot().workers[0].alive:
+        assert time.monotonic() < deadline, "still alive"
+        time.sleep(0.05)
+    doc = cluster.describe()
+    assert doc["workers"][0]["alive"] is False and doc["store"] is None
+    cluster.close()
+
+
+def test_step_model_fits_measured_steps():
+    m = StepModel()
+    assert m.fit() == m.prior  # too few samples
+    for i in range(60):
+        prefill = (0, 16, 64, 256)[i % 4]
+        decodes = i % 7
+        m.observe(prefill, decodes, 0.01 + 0.002 * prefill + 0.004 * decodes)
+    fit = m.fit()
+    assert fit.prefill_base_s == pytest.approx(0.01, rel=1e-3)
+    assert fit.prefill_token_s == pytest.approx(0.002, rel=1e-3)
+    assert fit.decode_seq_s == pytest.approx(0.004, rel=1e-3)
+    same = StepModel()
+    for _ in range(20):
+        same.observe(0, 1, 0.05)  # one shape only: the prior's slopes are kept
+    assert same.fit().prefill_token_s == same.prior.prefill_token_s
