@@ -1,0 +1,273 @@
+"""Serving benchmark: disaggregated kvpool (1 prefill + 1 decode + the pool) against the
+colocated baseline (``--colocated 2``: two engines, local prefix caching only), same machine,
+same run, same workload.
+
+Workload: scaled multi-turn chat with shared prefixes. Every session shares one system prompt
+and has its own document; each turn appends the previous answer and a new question (so a turn's
+prompt is the last turn's prompt plus new text). Sessions arrive as a Poisson process; a turn
+is sent when the previous one has been answered (plus a think time). Streaming chat requests,
+greedy, ``ignore_eos`` so every answer has ``--max-tokens`` tokens.
+
+Reported per configuration: TTFT and TBT percentiles (TBT of a request = mean of its longest
+10 % of inter-token gaps, as in the Mooncake paper; ITL p99 too), e2e, output throughput,
+prefix hit rate (cached / prompt tokens, from ``usage``), the prompt tokens all engines
+computed together and the share of looked-up prompt tokens they did not compute (from
+``/cluster``; in the disaggregated setup each prompt is looked up twice, by the prefill and by
+the decode worker, so compare the computed tokens), and failures. Ratios are
+disaggregated over colocated.
+
+  python benchmarks/bench_serving.py [--quick] [--json PATH] [--png PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import Results, log
+
+MODEL = "SmolLM2-135M-Instruct"
+CONFIGS = {
+    "colocated": ["--colocated", "2"],
+    "disaggregated": ["--prefill", "1", "--decode", "1"],
+}
+WORDS = ["river", "stone", "lantern", "harbor", "meadow", "copper", "violet", "orchard",
+         "signal", "thunder", "quiet", "marble", "falcon", "ember", "glacier", "willow",
+         "canyon", "saffron", "pebble", "comet"]  # fmt: skip
+
+
+def _text(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n)) + "."
+
+
+def workload(sessions: int, turns: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    system = "You are a careful assistant. Shared guidelines: " + _text(rng, 120)
+    out = []
+    for s in range(sessions):
+        doc = f"Document {s}: " + _text(rng, 60)
+        questions = [f"Question {t}: what does '{rng.choice(WORDS)}' mean here?"
+                     for t in range(turns)]  # fmt: skip
+        out.append({"system": system, "doc": doc, "questions": questions})
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(config: str, port: int, logfile: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "kvpool.cli", "serve", "--port", str(port),
+           "--kv-cache-memory", "512MiB", "--store-memory", "1GiB", "--max-inflight", "256",
+           "--slo-ttft", "0", "--slo-tbt", "0", "--log-level", "warning", *CONFIGS[config]]
+    out = logfile.open("w")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{config} exited: {logfile.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"{config} did not become healthy")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+async def one_turn(client: httpx.AsyncClient, url: str, messages: list, max_tokens: int) -> dict:
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    t0 = time.perf_counter()
+    times, text, usage, status = [], "", None, 200
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+        status = resp.status_code
+        if status != 200:
+            await resp.aread()
+            return {"status": status, "text": ""}
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("error"):
+                return {"status": 500, "text": text}
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for ch in chunk.get("choices", []):
+                delta = ch.get("delta", {}).get("content")
+                if delta:
+                    times.append(time.perf_counter())
+                    text += delta
+    gaps = sorted((b - a for a, b in itertools.pairwise(times)), reverse=True)
+    top = gaps[: max(1, len(gaps) // 10)] if gaps else []
+    return {
+        "status": status, "text": text,
+        "ttft": times[0] - t0 if times else None,
+        "tbt": statistics.fmean(top) if top else None,
+        "gaps": gaps, "e2e": time.perf_counter() - t0,
+        "prompt_tokens": (usage or {}).get("prompt_tokens", 0),
+        "cached_tokens": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+        "output_tokens": (usage or {}).get("completion_tokens", 0),
+    }  # fmt: skip
+
+
+async def session(client, url, sess, delay, args, results: list, progress: dict) -> None:
+    await asyncio.sleep(delay)
+    messages = [{"role": "system", "content": sess["system"] + "\n" + sess["doc"]}]
+    for q in sess["questions"]:
+        messages.append({"role": "user", "content": q})
+        r = await one_turn(client, url, messages, args.max_tokens)
+        results.append(r)
+        progress["done"] += 1
+        if progress["done"] % 5 == 0 or progress["done"] == progress["total"]:
+            log(f"  {progress['done']}/{progress['total']} requests done")
+        if r["status"] != 200:
+            return
+        messages.append({"role": "assistant", "content": r["text"]})
+        await asyncio.sleep(args.think)
+
+
+async def replay(url: str, sessions: list[dict], args) -> tuple[list[dict], float]:
+    rng = random.Random(args.seed)
+    delays, t = [], 0.0
+    for _ in sessions:
+        delays.append(t)
+        t += rng.expovariate(args.rate)
+    results: list[dict] = []
+    progress = {"done": 0, "total": len(sessions) * args.turns}
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600) as client:
+        await asyncio.wait_for(asyncio.gather(*(session(client, url, s, d, args, results, progress)
+                                                for s, d in zip(sessions, delays, strict=True))),
+                               timeout=args.budget)  # fmt: skip
+    return results, time.perf_counter() - t0
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def summarize(res: Results, name: str, results: list[dict], seconds: float, cluster: dict) -> dict:
+    ok = [r for r in results if r["status"] == 200 and r.get("ttft") is not None]
+    ttft, tbt = [r["ttft"] for r in ok], [r["tbt"] for r in ok if r["tbt"] is not None]
+    gaps = [g for r in ok for g in r["gaps"]]
+    prompt = sum(r["prompt_tokens"] for r in ok)
+    counters = [w["counters"] for w in cluster.get("workers", [])]
+    queries = sum(c.get("prefix_queries", 0) for c in counters)
+    hits = sum(c.get("prefix_hits_local", 0) + c.get("prefix_hits_pool", 0) for c in counters)
+    figs = {
+        "ttft_p50_s": statistics.median(ttft), "ttft_p90_s": pct(ttft, 0.9),
+        "ttft_p99_s": pct(ttft, 0.99), "tbt_p50_s": statistics.median(tbt),
+        "tbt_p90_s": pct(tbt, 0.9), "tbt_p99_s": pct(tbt, 0.99), "itl_p99_s": pct(gaps, 0.99),
+        "e2e_p50_s": statistics.median(r["e2e"] for r in ok),
+        "output_tok_per_s": sum(r["output_tokens"] for r in ok) / seconds,
+        "requests_ok": len(ok), "requests_failed": len(results) - len(ok),
+        "prefix_hit_rate": sum(r["cached_tokens"] for r in ok) / prompt if prompt else 0.0,
+        "prefill_compute_saved": hits / queries if queries else 0.0,
+        "engine_prompt_tokens_computed": queries - hits,
+    }  # fmt: skip
+    for k, v in figs.items():
+        res.figure(f"{name}_{k}", v)
+    return {"ttft": ttft, "tbt": tbt}
+
+
+def plot(curves: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in ((axes[0], "ttft", "TTFT (s)"), (axes[1], "tbt", "TBT (s)")):
+        for name, c in curves.items():
+            xs = sorted(c[key])
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=name)
+        ax.set_xlabel(label)
+        ax.set_ylabel("CDF")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("kvpool serving: disaggregated vs colocated (same workload)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    log(f"wrote {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="8 sessions x 3 turns (about 4 min)")
+    ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--rate", type=float, default=0.5, help="sessions started per second")
+    ap.add_argument("--think", type=float, default=0.5, help="seconds between turns")
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--budget", type=float, default=900, help="seconds per configuration")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--png", metavar="PATH")
+    args = ap.parse_args()
+    if args.quick:
+        args.sessions, args.turns = 8, 3
+    res = Results("bench_serving", vars(args))
+    sessions = workload(args.sessions, args.turns, args.seed)
+    curves = {}
+    logdir = Path(".cache/bench/serving")
+    logdir.mkdir(parents=True, exist_ok=True)
+    for name in CONFIGS:
+        port = _free_port()
+        log(f"{name}: starting kvpool serve {' '.join(CONFIGS[name])} on port {port}")
+        proc = start(name, port, logdir / f"{name}.log")
+        try:
+            url = f"http://127.0.0.1:{port}"
+            log(f"{name}: replaying {args.sessions} sessions x {args.turns} turns")
+            results, seconds = asyncio.run(replay(url, sessions, args))
+            cluster = httpx.get(f"{url}/cluster", timeout=10).json()
+        finally:
+            stop(proc)
+        curves[name] = summarize(res, name, results, seconds, cluster)
+        f = res.figures
+        log(f"{name}: TTFT p50 {f[name + '_ttft_p50_s']:.3f}s, TBT p50 "
+            f"{f[name + '_tbt_p50_s']:.3f}s, hit rate {f[name + '_prefix_hit_rate']:.2f}, "
+            f"{f[name + '_output_tok_per_s']:.1f} tok/s")
+    f = res.figures
+    for key, better in (("ttft_p50_s", False), ("ttft_p99_s", False), ("tbt_p50_s", False),
+                        ("tbt_p99_s", False), ("output_tok_per_s", True),
+                        ("engine_prompt_tokens_computed", False)):  # fmt: skip
+        res.ratio(f"disagg_vs_colocated_{key}", f[f"disaggregated_{key}"], f[f"colocated_{key}"],
+                  higher_is_better=better)  # fmt: skip
+    res.dump(args.json)
+    if args.png:
+        plot(curves, args.png)
+
+
+if __name__ == "__main__":
+    main()
