@@ -196,6 +196,14 @@ def summarize(res: Results, name: str, results: list[dict], seconds: float, clus
         "prefill_compute_saved": hits / queries if queries else 0.0,
         "engine_prompt_tokens_computed": queries - hits,
     }  # fmt: skip
+    save = sum(c.get("pool_save_seconds", 0.0) for c in counters)
+    if save:  # share of the time spent publishing KV that compute hid (prefill hand-offs wait)
+        wait = sum(c.get("pool_save_wait_seconds", 0.0) for c in counters)
+        figs["kv_save_hidden_ratio"] = max(0.0, 1 - wait / save)
+        figs["kv_save_seconds"] = save
+        load = sum(c.get("pool_load_seconds", 0.0) for c in counters)
+        compute = sum(c.get("compute_seconds", 0.0) for c in counters)
+        figs["kv_load_vs_compute_ratio"] = load / compute if compute else 0.0
     for k, v in figs.items():
         res.figure(f"{name}_{k}", v)
     return {"ttft": ttft, "tbt": tbt}
