@@ -28,7 +28,7 @@ system-deps:
 	  $$SUDO apt-get install -y -q etcd-server || \
 	  { $$SUDO apt-get update -q && $$SUDO apt-get install -y -q etcd-server; }; }
 
-serve: install  ## the main job: the OpenAI-compatible server with the default model on 127.0.0.1:8000
+serve: install  ## the main job: the embedded cluster (pool, prefill + decode workers, conductor) on 127.0.0.1:8000
 	$(BIN)/kvpool serve $(ARGS)
 
 test: install system-deps  ## lint, then every test (slow end-to-end ones included)

@@ -45,6 +45,7 @@ CONFIGS = {
     "colocated": ["--colocated", "2"],
     "disaggregated": ["--prefill", "1", "--decode", "1"],
 }
+EXTRA = {"disaggregated_nochunk": ["--prefill", "1", "--decode", "1", "--prefill-chunk", "0"]}
 WORDS = ["river", "stone", "lantern", "harbor", "meadow", "copper", "violet", "orchard",
          "signal", "thunder", "quiet", "marble", "falcon", "ember", "glacier", "willow",
          "canyon", "saffron", "pebble", "comet"]  # fmt: skip
@@ -72,17 +73,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(config: str, port: int, logfile: Path) -> subprocess.Popen:
+def start(flags: list[str], port: int, logfile: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kvpool.cli", "serve", "--port", str(port),
            "--kv-cache-memory", "512MiB", "--store-memory", "1GiB", "--max-inflight", "256",
-           "--slo-ttft", "0", "--slo-tbt", "0", "--log-level", "warning", *CONFIGS[config]]
+           "--slo-ttft", "0", "--slo-tbt", "0", "--log-level", "warning", *flags]
     out = logfile.open("w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{config} exited: {logfile.read_text()[-2000:]}")
+            raise RuntimeError(f"{flags} exited: {logfile.read_text()[-2000:]}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return proc
@@ -90,7 +91,7 @@ def start(config: str, port: int, logfile: Path) -> subprocess.Popen:
             pass
         time.sleep(0.5)
     proc.kill()
-    raise RuntimeError(f"{config} did not become healthy")
+    raise RuntimeError(f"{flags} did not become healthy")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -240,6 +241,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--budget", type=float, default=900, help="seconds per configuration")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"comma list of {', '.join({**CONFIGS, **EXTRA})}")  # fmt: skip
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--png", metavar="PATH")
     args = ap.parse_args()
@@ -250,10 +253,15 @@ def main() -> None:
     curves = {}
     logdir = Path(".cache/bench/serving")
     logdir.mkdir(parents=True, exist_ok=True)
-    for name in CONFIGS:
+    configs = {**CONFIGS, **EXTRA}
+    names = [n for n in args.configs.split(",") if n]
+    unknown = [n for n in names if n not in configs]
+    if unknown:
+        ap.error(f"unknown configs {unknown}")
+    for name in names:
         port = _free_port()
-        log(f"{name}: starting kvpool serve {' '.join(CONFIGS[name])} on port {port}")
-        proc = start(name, port, logdir / f"{name}.log")
+        log(f"{name}: starting kvpool serve {' '.join(configs[name])} on port {port}")
+        proc = start(configs[name], port, logdir / f"{name}.log")
         try:
             url = f"http://127.0.0.1:{port}"
             log(f"{name}: replaying {args.sessions} sessions x {args.turns} turns")
@@ -267,6 +275,9 @@ def main() -> None:
             f"{f[name + '_tbt_p50_s']:.3f}s, hit rate {f[name + '_prefix_hit_rate']:.2f}, "
             f"{f[name + '_output_tok_per_s']:.1f} tok/s")
     f = res.figures
+    if not {"colocated", "disaggregated"} <= set(names):
+        res.dump(args.json)
+        return
     for key, better in (("ttft_p50_s", False), ("ttft_p99_s", False), ("tbt_p50_s", False),
                         ("tbt_p99_s", False), ("output_tok_per_s", True),
                         ("engine_prompt_tokens_computed", False)):  # fmt: skip

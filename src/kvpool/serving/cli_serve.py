@@ -42,6 +42,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="N workers each doing prefill and decode, local prefix caching only "
                         "(the baseline; no pool)")  # fmt: skip
     c.add_argument("--store-memory", default="1GiB", help="DRAM of the pool's node")
+    c.add_argument("--prefill-chunk", type=int, default=128, metavar="TOKENS",
+                   help="prefill workers' tokens per step (default %(default)s; 0: "
+                        "--max-num-batched-tokens): a chunk's KV is published to the pool "
+                        "while the next chunk computes")  # fmt: skip
     c.add_argument("--config", default=None, help="YAML file of these flags (CLI wins)")
     from kvpool.conductor.cli import add_conductor_args
 

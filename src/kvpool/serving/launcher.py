@@ -114,6 +114,8 @@ def plan(args: argparse.Namespace, directory: str) -> tuple[list[Child], list[Ch
         counts[role] = counts.get(role, 0) + 1
         wid = f"{role}-{counts[role]}"
         argv = ["worker", "--role", role, "--id", wid, *engine, *log]
+        if role == "prefill" and args.prefill_chunk:
+            argv += ["--max-num-batched-tokens", str(args.prefill_chunk)]  # the last one wins
         if not args.colocated:
             argv += ["--store", "{master}", "--directory", directory]
         workers.append(Child(wid, argv))
