@@ -25,12 +25,8 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,6 +35,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Results, log
+
+from kvpool.bench.launch import MEASURE_FLAGS, Served
 
 MODEL = "SmolLM2-135M-Instruct"
 CONFIGS = {
@@ -65,42 +63,6 @@ def workload(sessions: int, turns: int, seed: int) -> list[dict]:
                      for t in range(turns)]  # fmt: skip
         out.append({"system": system, "doc": doc, "questions": questions})
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(flags: list[str], port: int, logfile: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvpool.cli", "serve", "--port", str(port),
-           "--kv-cache-memory", "512MiB", "--store-memory", "1GiB", "--max-inflight", "256",
-           "--slo-ttft", "0", "--slo-tbt", "0", "--log-level", "warning", *flags]
-    out = logfile.open("w")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{flags} exited: {logfile.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"{flags} did not become healthy")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
 
 
 async def one_turn(client: httpx.AsyncClient, url: str, messages: list, max_tokens: int) -> dict:
@@ -259,16 +221,16 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown configs {unknown}")
     for name in names:
-        port = _free_port()
-        log(f"{name}: starting kvpool serve {' '.join(configs[name])} on port {port}")
-        proc = start(configs[name], port, logdir / f"{name}.log")
+        flags = ["--kv-cache-memory", "512MiB", "--store-memory", "1GiB", *MEASURE_FLAGS,
+                 *configs[name]]  # fmt: skip
+        log(f"{name}: starting kvpool serve {' '.join(configs[name])}")
+        served = Served(flags, logdir / f"{name}.log")
         try:
-            url = f"http://127.0.0.1:{port}"
             log(f"{name}: replaying {args.sessions} sessions x {args.turns} turns")
-            results, seconds = asyncio.run(replay(url, sessions, args))
-            cluster = httpx.get(f"{url}/cluster", timeout=10).json()
+            results, seconds = asyncio.run(replay(served.url, sessions, args))
+            cluster = httpx.get(f"{served.url}/cluster", timeout=10).json()
         finally:
-            stop(proc)
+            served.stop()
         curves[name] = summarize(res, name, results, seconds, cluster)
         f = res.figures
         log(f"{name}: TTFT p50 {f[name + '_ttft_p50_s']:.3f}s, TBT p50 "

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from kvpool import __version__
+from kvpool.bench import cli as bench_cli
 from kvpool.conductor import cli as conductor_cli
 from kvpool.serving import cli_serve
 from kvpool.serving import worker as worker_cli
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     store_cli.add_parser(subparsers)
     worker_cli.add_parser(subparsers)
     conductor_cli.add_parser(subparsers)
+    bench_cli.add_parser(subparsers)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Trace replay: measure any OpenAI-compatible endpoint on Mooncake-format request traces."""
