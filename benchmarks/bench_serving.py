@@ -66,8 +66,15 @@ def workload(sessions: int, turns: int, seed: int) -> list[dict]:
 
 
 async def one_turn(client: httpx.AsyncClient, url: str, messages: list, max_tokens: int) -> dict:
-    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     t0 = time.perf_counter()
     times, text, usage, status = [], "", None, 200
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
@@ -233,9 +240,11 @@ def main() -> None:
             served.stop()
         curves[name] = summarize(res, name, results, seconds, cluster)
         f = res.figures
-        log(f"{name}: TTFT p50 {f[name + '_ttft_p50_s']:.3f}s, TBT p50 "
+        log(
+            f"{name}: TTFT p50 {f[name + '_ttft_p50_s']:.3f}s, TBT p50 "
             f"{f[name + '_tbt_p50_s']:.3f}s, hit rate {f[name + '_prefix_hit_rate']:.2f}, "
-            f"{f[name + '_output_tok_per_s']:.1f} tok/s")
+            f"{f[name + '_output_tok_per_s']:.1f} tok/s"
+        )
     f = res.figures
     if not {"colocated", "disaggregated"} <= set(names):
         res.dump(args.json)

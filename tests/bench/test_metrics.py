@@ -43,7 +43,7 @@ def test_percentiles_interpolate():
 
 def test_summary_goodput_capacity_hit_and_rejection_rates():
     records = [
-        rec(0, [0.2, 0.3, 0.4], cached=50),  # TTFT 0.2, TBT 0.1
+        rec(0, [0.2, 0.28, 0.36], cached=50),  # TTFT 0.2, TBT 0.08
         rec(1, [1.0, 1.5, 2.0], cached=0),  # TTFT 1.0, TBT 0.5
         rec(2, [3.0, 3.1], cached=100),  # TTFT 3.0 (breaks the 2 s SLO)
         rec(3, [], status="rejected", prompt=0),
@@ -53,6 +53,7 @@ def test_summary_goodput_capacity_hit_and_rejection_rates():
     assert s["completed"] == 3 and s["rejected"] == 1 and s["failed"] == 0
     assert s["request_throughput"] == pytest.approx(0.3)
     assert s["output_throughput"] == pytest.approx(0.8)  # 8 tokens / 10 s
+    assert s["median_tbt_s"] == pytest.approx(0.1)  # TBTs 0.08, 0.5, 0.1
     assert s["prefix_hit_rate"] == pytest.approx(150 / 300)
     assert s["rejection_rate"] == 0.25
     assert s["request_goodput"] == pytest.approx(0.1)  # only request 0 meets both SLOs
@@ -60,7 +61,7 @@ def test_summary_goodput_capacity_hit_and_rejection_rates():
     assert s["effective_capacity_tbt_0.1s"] == 0.25
     assert s["effective_capacity_tbt_0.5s"] == 0.5  # 0 and 1; 2 breaks the TTFT SLO
     assert s["median_ttft_s"] == pytest.approx(1.0)
-    assert s["mean_e2e_s"] == pytest.approx((0.4 + 2.0 + 3.1) / 3)
+    assert s["mean_e2e_s"] == pytest.approx((0.36 + 2.0 + 3.1) / 3)
 
 
 def test_report_files(tmp_path):

@@ -85,9 +85,12 @@ def _load(args: argparse.Namespace):
         "slo_ttft_s": args.slo_ttft, "slo_tbt_s": args.slo_tbt,
         "prompt_format": args.prompt_format,
     }  # fmt: skip
-    print(f"kvpool bench: {len(reqs)} requests over {meta['span_s']:.0f}s; offline prefix hit "
-          f"ratio {meta['offline_prefix_hit_ratio_trace']:.3f} (trace) / "
-          f"{meta['offline_prefix_hit_ratio_scaled']:.3f} (scaled)", flush=True)
+    print(
+        f"kvpool bench: {len(reqs)} requests over {meta['span_s']:.0f}s; offline prefix hit "
+        f"ratio {meta['offline_prefix_hit_ratio_trace']:.3f} (trace) / "
+        f"{meta['offline_prefix_hit_ratio_scaled']:.3f} (scaled)",
+        flush=True,
+    )
     return reqs, meta
 
 

@@ -138,7 +138,9 @@ async def send_one(client: httpx.AsyncClient, cfg: ReplayConfig, model: str,
         rec.end_s = time.perf_counter() - t0
 
 
-async def replay(requests: list[ScaledRequest], cfg: ReplayConfig) -> tuple[list[RequestRecord], float]:
+async def replay(
+    requests: list[ScaledRequest], cfg: ReplayConfig
+) -> tuple[list[RequestRecord], float]:
     """Send every request at its arrival time; records (in trace order) and the duration."""
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=cfg.max_concurrency)

@@ -109,7 +109,11 @@ def _over_time(records: list[RequestRecord], bins: int = 20) -> tuple[list, list
         cached[i] += r.cached_tokens
         prompt[i] += r.prompt_tokens
     t = [(i + 1) * width for i in range(bins)]
-    return t, [x / width for x in toks], [c / p if p else 0.0 for c, p in zip(cached, prompt, strict=True)]
+    return (
+        t,
+        [x / width for x in toks],
+        [c / p if p else 0.0 for c, p in zip(cached, prompt, strict=True)],
+    )
 
 
 _SHOW = ("completed", "rejected", "failed", "request_throughput", "output_throughput",

@@ -43,10 +43,17 @@ class LoadReport:
 def _check(obj: object) -> TraceRequest | str:
     if not isinstance(obj, dict):
         return "not a JSON object"
-    missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in obj]
+    missing = [
+        k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in obj
+    ]
     if missing:
         return f"missing {', '.join(missing)}"
-    ts, n_in, n_out, ids = obj["timestamp"], obj["input_length"], obj["output_length"], obj["hash_ids"]
+    ts, n_in, n_out, ids = (
+        obj["timestamp"],
+        obj["input_length"],
+        obj["output_length"],
+        obj["hash_ids"],
+    )
     if not isinstance(ts, (int, float)) or isinstance(ts, bool) or ts < 0 or not math.isfinite(ts):
         return "timestamp must be a number >= 0"
     for name, v in (("input_length", n_in), ("output_length", n_out)):

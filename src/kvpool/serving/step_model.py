@@ -29,24 +29,33 @@ class StepModel:
             self.samples.append((prefill_tokens, decodes, seconds))
 
     def fit(self) -> CostModel:
-        """The fitted model; the prior while samples are too few or too alike to fit."""
+        """The fitted model; the prior's values where samples are too few or too alike.
+
+        Decode-only steps fix the decode line (base + per sequence); steps with prefill tokens,
+        minus their decodes' share, fix the per-token prefill cost."""
         if len(self.samples) < MIN_SAMPLES:
             return self.prior
         data = np.asarray(self.samples, dtype=np.float64)
-        x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
-        y = data[:, 2]
         p = self.prior
-        coef = [p.decode_base_s, p.prefill_token_s, p.decode_seq_s]
-        cols = [0] + [i for i in (1, 2) if np.ptp(x[:, i]) > 0]  # constant columns: keep prior
-        sol, *_ = np.linalg.lstsq(x[:, cols], y - sum(
-            coef[i] * x[:, i] for i in (1, 2) if i not in cols
-        ), rcond=None)  # fmt: skip
-        for i, v in zip(cols, sol, strict=True):
-            coef[i] = float(v)
-        base = max(coef[0], 1e-4)
+        base, per_seq = p.decode_base_s, p.decode_seq_s
+        dec = data[data[:, 0] == 0]
+        if len(dec) >= MIN_SAMPLES // 2:
+            base, per_seq = _line(dec[:, 1], dec[:, 2], per_seq)
+        pre = data[data[:, 0] > 0]
+        per_token, pre_base = p.prefill_token_s, base
+        if len(pre) >= MIN_SAMPLES // 2:
+            pre_base, per_token = _line(pre[:, 0], pre[:, 2] - per_seq * pre[:, 1], per_token)
         return CostModel(
-            prefill_base_s=base,
-            prefill_token_s=max(coef[1], 1e-6),
-            decode_base_s=base,
-            decode_seq_s=max(coef[2], 0.0),
+            prefill_base_s=max(pre_base, 1e-4),
+            prefill_token_s=max(per_token, 1e-6),
+            decode_base_s=max(base, 1e-4),
+            decode_seq_s=max(per_seq, 0.0),
         )
+
+
+def _line(x: np.ndarray, y: np.ndarray, prior_slope: float) -> tuple[float, float]:
+    """Least-squares ``y = a + b x``; with one distinct x, the prior slope and the mean."""
+    if np.ptp(x) == 0:
+        return float(np.mean(y - prior_slope * x)), prior_slope
+    b, a = np.polyfit(x, y, 1)
+    return float(a), float(b)

@@ -107,7 +107,9 @@ async def _main(args, config, token: str | None, parts: list) -> None:
     info = {"id": wid, "role": args.role, "http": http, "rpc": "",
             "model": cli_serve.served_name(args), "pid": os.getpid()}  # fmt: skip
     control = WorkerControl(info, aeng, asyncio.get_running_loop(), connector)
-    rpc = RpcServer(control, args.host, args.rpc_port, token=token, workers=4).start()
+    # prefill calls hold a pool thread until their KV is published: enough threads that
+    # status polls never queue behind them
+    rpc = RpcServer(control, args.host, args.rpc_port, token=token, workers=64).start()
     parts.append(rpc.close)
     info["rpc"] = rpc.address
     if args.etcd:
