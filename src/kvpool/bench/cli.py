@@ -10,7 +10,7 @@ from pathlib import Path
 from kvpool.bench.launch import MEASURE_FLAGS, PRESETS
 
 
-def _scaling_args(p: argparse.ArgumentParser) -> None:
+def scaling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
     p.add_argument("--block-tokens", type=int, default=16, help="tokens per trace block (512)")
     g = p.add_mutually_exclusive_group()
@@ -38,7 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     sub = p.add_subparsers(dest="bench_command", metavar="COMMAND", required=True)
     r = sub.add_parser("replay", help="replay a trace against one OpenAI-compatible endpoint")
     r.add_argument("--endpoint", required=True, help="base URL, e.g. http://127.0.0.1:8000")
-    _scaling_args(r)
+    scaling_args(r)
     r.set_defaults(func=run_replay)
     c = sub.add_parser("compare", help="start kvpool configurations, replay the same trace "
                                        "against each in turn, one report")  # fmt: skip
@@ -47,11 +47,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL",
                    help="also replay against an endpoint already running (repeat)")  # fmt: skip
     c.add_argument("--serve-args", default="", help="extra flags for every kvpool serve")
-    _scaling_args(c)
-    c.set_defaults(func=run_compare)
+    scaling_args(c)
+    c.set_defaults(func=lambda a: run_compare(a))
 
 
-def _load(args: argparse.Namespace):
+def load(args: argparse.Namespace):
     from kvpool.bench.trace import (
         ScaleConfig,
         TraceError,
@@ -94,7 +94,7 @@ def _load(args: argparse.Namespace):
     return reqs, meta
 
 
-def _run_one(args, url: str, reqs) -> tuple[list, dict]:
+def run_one(args, url: str, reqs) -> tuple[list, dict]:
     from kvpool.bench.metrics import summarize
     from kvpool.bench.replay import ReplayConfig, replay
 
@@ -105,7 +105,7 @@ def _run_one(args, url: str, reqs) -> tuple[list, dict]:
     return records, summarize(records, duration, args.slo_ttft, args.slo_tbt)
 
 
-def _print_summary(name: str, s: dict) -> None:
+def print_summary(name: str, s: dict) -> None:
     def f(k):
         v = s.get(k)
         return "-" if v is None else f"{v:.3f}"
@@ -120,24 +120,26 @@ def _print_summary(name: str, s: dict) -> None:
 def run_replay(args: argparse.Namespace) -> int:
     from kvpool.bench.report import write_report
 
-    loaded = _load(args)
+    loaded = load(args)
     if loaded is None:
         return 2
     reqs, meta = loaded
     try:
-        records, summary = _run_one(args, args.endpoint, reqs)
+        records, summary = run_one(args, args.endpoint, reqs)
     except Exception as exc:  # e.g. the endpoint is not there
         print(f"kvpool bench: replay against {args.endpoint} failed: {exc}", file=sys.stderr)
         return 1
-    _print_summary(args.endpoint, summary)
+    print_summary(args.endpoint, summary)
     path = write_report(Path(args.out), {args.endpoint: (records, summary)},
                         {**meta, "endpoint": args.endpoint})  # fmt: skip
     print(f"kvpool bench: wrote {path}", flush=True)
     return 0
 
 
-def run_compare(args: argparse.Namespace) -> int:
-    from kvpool.bench.launch import Served
+def run_compare(args: argparse.Namespace, starters: dict | None = None) -> int:
+    """Each kvpool config in turn (started, replayed, stopped), then each ``--endpoint``, then
+    each of ``starters`` (name -> function returning ``(url, stop)``: a peer server started
+    only for its turn, so it never competes with the others for the CPU)."""
     from kvpool.bench.report import write_report
 
     names = [n for n in args.configs.split(",") if n]
@@ -147,25 +149,36 @@ def run_compare(args: argparse.Namespace) -> int:
         print(f"kvpool bench: unknown configs {unknown} (or an --endpoint not NAME=URL); "
               f"configs: {', '.join(PRESETS)}", file=sys.stderr)  # fmt: skip
         return 2
-    loaded = _load(args)
+    loaded = load(args)
     if loaded is None:
         return 2
     reqs, meta = loaded
     out = Path(args.out)
+    systems = {n: _kvpool_starter(n, args, out) for n in names}
+    systems.update({n: (lambda u=u: (u, lambda: None)) for n, u in endpoints})
+    systems.update(starters or {})
     runs = {}
-    for name in names:
-        flags = [*MEASURE_FLAGS, *args.serve_args.split(), *PRESETS[name]]
-        print(f"kvpool bench: starting kvpool serve {' '.join(PRESETS[name])}", flush=True)
-        served = Served(flags, out / "logs" / f"{name}.log")
+    for name, start in systems.items():
+        url, stop = start()
         try:
-            runs[name] = _run_one(args, served.url, reqs)
+            runs[name] = run_one(args, url, reqs)
         finally:
-            served.stop()
-        _print_summary(name, runs[name][1])
-    for name, url in endpoints:
-        runs[name] = _run_one(args, url, reqs)
-        _print_summary(name, runs[name][1])
-    meta["configs"] = {n: " ".join(PRESETS.get(n, [])) or dict(endpoints)[n] for n in runs}
+            stop()
+        print_summary(name, runs[name][1])
+    meta["configs"] = {n: " ".join(PRESETS[n]) if n in PRESETS else dict(endpoints).get(n, n)
+                       for n in runs}  # fmt: skip
     path = write_report(out, runs, meta)
     print(f"kvpool bench: wrote {path}", flush=True)
     return 0
+
+
+def _kvpool_starter(name: str, args: argparse.Namespace, out: Path):
+    from kvpool.bench.launch import Served
+
+    def start():
+        flags = [*MEASURE_FLAGS, *args.serve_args.split(), *PRESETS[name]]
+        print(f"kvpool bench: starting kvpool serve {' '.join(PRESETS[name])}", flush=True)
+        served = Served(flags, out / "logs" / f"{name}.log")
+        return served.url, served.stop
+
+    return start
