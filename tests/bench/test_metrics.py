@@ -65,7 +65,7 @@ def test_summary_goodput_capacity_hit_and_rejection_rates():
 
 
 def test_report_files(tmp_path):
-    records = [rec(0, [0.2, 0.3, 0.4], cached=50), rec(1, [], status="error", prompt=0)]
+    records = [rec(0, [0.2, 0.28, 0.36], cached=50), rec(1, [], status="error", prompt=0)]
     s = summarize(records, 5.0, 1.0, 0.5)
     path = write_report(tmp_path, {"a": (records, s), "b": (records, s)}, {"slo_ttft_s": 1.0})
     assert path.name == "report.html"
@@ -75,5 +75,17 @@ def test_report_files(tmp_path):
     doc = json.loads((tmp_path / "results.json").read_text())
     assert set(doc["systems"]) == {"a", "b"}
     assert doc["systems"]["a"]["summary"]["prefix_hit_rate"] == pytest.approx(0.5)
+    assert set(doc["summary"]) == {"a", "b"}
     rows = (tmp_path / "requests.csv").read_text().splitlines()
     assert len(rows) == 1 + 4 and rows[0].startswith("system,index")
+    assert "token_times_s" in rows[0] and "0.2000 0.2800 0.3600" in rows[1]
+
+
+def test_text_prompts_keep_blocks_stable():
+    from kvpool.bench.replay import text_prompt
+
+    a = text_prompt((1, 2, 3, 4, 5, 6), 3)
+    b = text_prompt((1, 2, 3, 9, 9, 9), 3)
+    assert a.count("\n") == 1 and a.split("\n")[0] == b.split("\n")[0]
+    assert a.split("\n")[1] != b.split("\n")[1]
+    assert text_prompt((1, 2, 3), 3) == a.split("\n")[0]

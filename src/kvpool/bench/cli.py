@@ -25,7 +25,9 @@ def scaling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strict", action="store_true", help="fail on a malformed trace line")
     p.add_argument("--slo-ttft", type=float, default=5.0, help="TTFT SLO for goodput (s)")
     p.add_argument("--slo-tbt", type=float, default=0.5, help="TBT SLO for goodput (s)")
-    p.add_argument("--prompt-format", choices=["tokens", "text"], default="tokens")
+    p.add_argument("--prompt-format", choices=["auto", "tokens", "text"], default="auto",
+                   help="token ids, or one line of words per block for text-only servers "
+                        "(auto: token ids if the server takes them)")  # fmt: skip
     p.add_argument("--max-concurrency", type=int, default=256)
     p.add_argument("--budget", type=float, default=3600.0, help="seconds per replay, at most")
     p.add_argument("--model", default=None, help="model name to send (default: /v1/models)")
@@ -102,7 +104,9 @@ def run_one(args, url: str, reqs) -> tuple[list, dict]:
                        budget_s=args.budget, block_tokens=args.block_tokens,
                        progress=not args.no_progress)  # fmt: skip
     records, duration = asyncio.run(replay(reqs, cfg))
-    return records, summarize(records, duration, args.slo_ttft, args.slo_tbt)
+    summary = summarize(records, duration, args.slo_ttft, args.slo_tbt)
+    summary["prompt_format"] = cfg.prompt_format
+    return records, summary
 
 
 def print_summary(name: str, s: dict) -> None:

@@ -50,7 +50,8 @@ class RequestRecord:
         row = asdict(self)
         row.pop("token_times")
         row.update(ttft_s=self.ttft, tbt_s=self.tbt, tpot_s=self.tpot, e2e_s=self.end_s,
-                   num_chunks=len(self.token_times))  # fmt: skip
+                   num_chunks=len(self.token_times),
+                   token_times_s=" ".join(f"{t:.4f}" for t in self.token_times))  # fmt: skip
         return row
 
 

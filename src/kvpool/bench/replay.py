@@ -38,7 +38,7 @@ _WORDS = ["time", "year", "people", "way", "day", "man", "thing", "woman", "life
 class ReplayConfig:
     endpoint: str  # base URL, e.g. http://127.0.0.1:8000
     model: str | None = None  # default: the first of /v1/models
-    prompt_format: str = "tokens"  # tokens | text
+    prompt_format: str = "auto"  # tokens | text | auto (tokens if the server takes them)
     max_concurrency: int = 256
     request_timeout: float = 600.0
     budget_s: float = 3600.0  # the whole replay, then what is left is cancelled
@@ -47,8 +47,8 @@ class ReplayConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.prompt_format not in ("tokens", "text"):
-            raise ValueError("prompt_format must be 'tokens' or 'text'")
+        if self.prompt_format not in ("tokens", "text", "auto"):
+            raise ValueError("prompt_format must be 'tokens', 'text' or 'auto'")
         if self.max_concurrency < 1 or self.budget_s <= 0 or self.request_timeout <= 0:
             raise ValueError("max_concurrency, budget and timeouts must be positive")
 
@@ -93,6 +93,16 @@ async def resolve_model(client: httpx.AsyncClient, cfg: ReplayConfig) -> str:
     r = await client.get(f"{cfg.endpoint}/v1/models", timeout=30)
     r.raise_for_status()
     return r.json()["data"][0]["id"]
+
+
+async def probe_format(client: httpx.AsyncClient, cfg: ReplayConfig, model: str) -> str:
+    """``tokens`` if the server answers a token-id prompt, else ``text``."""
+    body = {"model": model, "prompt": [1000, 1001, 1002], "max_tokens": 1}
+    r = await client.post(f"{cfg.endpoint}/v1/completions", json=body, timeout=120)
+    if r.status_code in (400, 422):
+        logger.warning("the server refuses token-id prompts (%d); sending text", r.status_code)
+        return "text"
+    return "tokens"
 
 
 async def send_one(client: httpx.AsyncClient, cfg: ReplayConfig, model: str,
@@ -150,6 +160,8 @@ async def replay(
     sem = asyncio.Semaphore(cfg.max_concurrency)
     async with httpx.AsyncClient(headers=headers, limits=limits) as client:
         model = await resolve_model(client, cfg)
+        if cfg.prompt_format == "auto":
+            cfg.prompt_format = await probe_format(client, cfg, model)
         start = time.perf_counter()
 
         async def run(req: ScaledRequest, rec: RequestRecord) -> None:

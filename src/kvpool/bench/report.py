@@ -19,8 +19,9 @@ def write_report(out: Path, runs: dict[str, tuple[list[RequestRecord], dict]], m
     """``runs``: system name -> (records, summary). Returns the HTML report's path."""
     out.mkdir(parents=True, exist_ok=True)
     doc = {"meta": meta, "systems": {n: {"summary": s} for n, (_, s) in runs.items()}}
-    if len(runs) == 1:
-        doc["summary"] = next(iter(runs.values()))[1]
+    # one system: its summary; several: {system: summary}
+    doc["summary"] = next(iter(runs.values()))[1] if len(runs) == 1 else \
+        {n: s for n, (_, s) in runs.items()}  # fmt: skip
     (out / "results.json").write_text(json.dumps(doc, indent=2, default=_jsonable))
     with (out / "requests.csv").open("w", newline="") as f:
         writer = None
