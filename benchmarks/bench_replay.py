@@ -28,8 +28,8 @@ from common import CACHE, Results, log
 from kvpool.bench.launch import free_port
 
 TRACE = Path(__file__).resolve().parents[2] / "shared/traces/conversation_trace.jsonl"
-FULL = ["--limit", "120", "--block-tokens", "16", "--max-input", "512", "--max-output", "32",
-        "--time-scale", "4"]  # fmt: skip
+FULL = ["--limit", "100", "--block-tokens", "16", "--max-input", "384", "--max-output", "24",
+        "--time-scale", "5"]  # fmt: skip
 QUICK = ["--limit", "40", "--block-tokens", "16", "--max-input", "384", "--max-output", "16",
          "--time-scale", "3"]  # fmt: skip
 
