@@ -94,6 +94,9 @@ def test_scaled_real_trace_keeps_the_prefix_hit_ratio_within_one_point():
         scaled = prefix_hit_ratio_tokens([r.prompt for r in scale(reqs, ScaleConfig(bt))], bt)
         assert abs(scaled - original) < 0.01, (bt, scaled, original)
     assert 0.2 < original < 0.5
+    capped = scale(reqs, ScaleConfig(16, max_input=256))  # the cap truncates long prompts
+    got = prefix_hit_ratio_tokens([r.prompt for r in capped], 16)
+    assert abs(got - prefix_hit_ratio_trace(reqs, max_tokens=256 * 512 // 16)) < 0.01
 
 
 def test_offline_hit_ratio_by_hand(tmp_path):

@@ -85,3 +85,36 @@ def test_export_hf_calls_the_loader(monkeypatch, tmp_path, capsys):
     assert cli.main(["export-hf", "--model", "m.gguf", "--out", str(tmp_path)]) == 0
     assert calls == [("m.gguf", str(tmp_path))]
     assert str(tmp_path) in capsys.readouterr().out
+
+
+def test_cluster_config_file_fills_defaults_and_the_command_line_wins(tmp_path):
+    from kvpool.serving.launcher import plan
+
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text("prefill: 2\nstore-memory: 2GiB\npolicy: least_load\nprefill_chunk: 64\n")
+    args = cli.build_parser().parse_args(["serve", "--config", str(cfg), "--prefill", "3"])
+    cli_serve.apply_config_file(args)
+    assert args.prefill == 3  # the command line wins
+    assert (args.store_memory, args.policy, args.prefill_chunk) == ("2GiB", "least_load", 64)
+    pool, workers = plan(args, "http://127.0.0.1:1")
+    assert [c.name for c in pool] == ["store-master", "store-node"]
+    assert [w.name for w in workers] == ["prefill-1", "prefill-2", "prefill-3", "decode-1"]
+    argv = workers[0].argv
+    last = len(argv) - 1 - argv[::-1].index("--max-num-batched-tokens")  # the last one wins
+    assert argv[last + 1] == "64"  # the prefill chunk
+    decode = workers[-1].argv
+    assert decode[len(decode) - 1 - decode[::-1].index("--max-num-batched-tokens") + 1] == "2048"
+    assert "2GiB" in pool[1].argv
+    colocated = cli.build_parser().parse_args(["serve", "--colocated", "2"])
+    pool, workers = plan(colocated, "")
+    assert pool == [] and [w.name for w in workers] == ["both-1", "both-2"]
+    assert all("--store" not in w.argv for w in workers)
+
+
+def test_cluster_config_file_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("prefil: 2\n")
+    assert cli.main(["serve", "--config", str(bad)]) == 2
+    assert "unknown setting 'prefil'" in capsys.readouterr().err
+    assert cli.main(["serve", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert cli.main(["serve", "--prefill", "0", "--decode", "0"]) == 2

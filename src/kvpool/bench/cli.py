@@ -55,6 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def load(args: argparse.Namespace):
     from kvpool.bench.trace import (
+        TRACE_BLOCK,
         ScaleConfig,
         TraceError,
         load_trace,
@@ -82,6 +83,9 @@ def load(args: argparse.Namespace):
         "max_input": cfg.max_input, "max_output": cfg.max_output, "seed": cfg.seed,
         "span_s": reqs[-1].arrival_s if reqs else 0.0,
         "offline_prefix_hit_ratio_trace": prefix_hit_ratio_trace(used),
+        # the same with the input cap applied in trace tokens: what the scaled figure matches
+        "offline_prefix_hit_ratio_trace_capped": prefix_hit_ratio_trace(
+            used, cfg.max_input * TRACE_BLOCK // cfg.block_tokens if cfg.max_input else None),
         "offline_prefix_hit_ratio_scaled": prefix_hit_ratio_tokens(
             [r.prompt for r in reqs], cfg.block_tokens),
         "slo_ttft_s": args.slo_ttft, "slo_tbt_s": args.slo_tbt,

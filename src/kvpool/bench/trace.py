@@ -175,14 +175,16 @@ def scale(requests: list[TraceRequest], cfg: ScaleConfig) -> list[ScaledRequest]
     return out
 
 
-def prefix_hit_ratio_trace(requests: list[TraceRequest]) -> float:
+def prefix_hit_ratio_trace(requests: list[TraceRequest], max_tokens: int | None = None) -> float:
     """Share of prompt tokens in blocks an earlier request already had (infinite cache),
-    on the original trace: a block is a hit if its id (a whole-prefix id) was seen before."""
+    on the original trace: a block is a hit if its id (a whole-prefix id) was seen before.
+    ``max_tokens`` truncates every prompt first (an input cap, in trace tokens)."""
     seen: set[int] = set()
     hit = total = 0
     for r in requests:
+        length = min(r.input_length, max_tokens) if max_tokens else r.input_length
         for j, h in enumerate(r.hash_ids):
-            size = min(TRACE_BLOCK, r.input_length - j * TRACE_BLOCK)
+            size = min(TRACE_BLOCK, length - j * TRACE_BLOCK)
             if size <= 0:
                 break
             total += size
