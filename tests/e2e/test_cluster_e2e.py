@@ -4,9 +4,11 @@ with the real model, driven by the official OpenAI client. Destructive steps run
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,10 +24,25 @@ SYSTEM = "You are a helpful assistant who answers geography questions in one sho
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    """The cluster; when it stops: every process it started is gone, and no shared memory of
+    theirs is left in /dev/shm."""
     log = tmp_path_factory.mktemp("cluster") / "serve.log"
-    yield from serve(log, "--prefill", "2", "--decode", "1", "--policy", "round_robin",
-                     "--kv-cache-memory", "256MiB", "--store-memory", "512MiB",
-                     "--max-inflight", "4", "--slo-ttft", "0", "--slo-tbt", "0")  # fmt: skip
+    running = serve(log, "--prefill", "2", "--decode", "1", "--policy", "round_robin",
+                    "--kv-cache-memory", "256MiB", "--store-memory", "512MiB",
+                    "--max-inflight", "4", "--slo-ttft", "0", "--slo-tbt", "0")  # fmt: skip
+    proc, url = next(running)
+    pids = [p["pid"] for p in cluster_doc(url)["processes"].values()]
+    assert len(pids) == 5
+    yield proc, url
+    with contextlib.suppress(StopIteration):
+        next(running)  # SIGTERM to `kvpool serve`, checked to exit 0
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()], "orphan processes"
+    leaked = [f for f in os.listdir("/dev/shm")
+              if any(f.startswith(f"kvpool-{pid}-") for pid in pids)]  # fmt: skip
+    assert not leaked, leaked
 
 
 @pytest.fixture(scope="module")
