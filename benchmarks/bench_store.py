@@ -243,11 +243,12 @@ def alloc_buffer(nbytes: int) -> tuple[mmap.mmap, memoryview]:
 class KvpoolStore:
     """The workload's adapter for kvpool's ``StoreClient``."""
 
-    def __init__(self, master: str, directory: str, transport: str) -> None:
+    def __init__(self, master: str, directory: str, transport: str, lease_cache: bool) -> None:
         from kvpool.config import TransferConfig
         from kvpool.store import StoreClient
 
-        self.client = StoreClient(master, TransferConfig(directory=directory, transport=transport))
+        self.client = StoreClient(master, TransferConfig(directory=directory, transport=transport),
+                                  lease_cache=lease_cache)  # fmt: skip
         self.mv: memoryview | None = None
 
     def alloc(self, nbytes: int) -> memoryview:
@@ -281,7 +282,8 @@ class KvpoolStore:
 
 
 def kvpool_driver(cfg: dict) -> dict:
-    store = KvpoolStore(cfg["master"], cfg["directory"], cfg["transport"])
+    store = KvpoolStore(cfg["master"], cfg["directory"], cfg["transport"],
+                        cfg.get("lease_cache", True))  # fmt: skip
     try:
         out = run_workload(store, cfg)
     finally:
@@ -517,6 +519,9 @@ def main() -> None:
     ap.add_argument("--sizes", default=",".join(SIZES), help="subset of " + ",".join(SIZES))
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="subset of " + ",".join(SYSTEMS))
     ap.add_argument("--resident", default="384MiB", help="resident bytes per measurement, at most")
+    ap.add_argument("--no-lease-cache", action="store_true",
+                    help="kvpool asks the master on every get, like the peers (default: "
+                         "repeated reads within a read lease go straight to the replica)")  # fmt: skip
     ap.add_argument("--json", default=None, help="write figures and ratios here")
     ap.add_argument("--plot", default=None, help="draw a PNG here")
     ap.add_argument("--driver", default=None, help=argparse.SUPPRESS)
@@ -544,6 +549,7 @@ def main() -> None:
         "seconds": seconds,
         "max_ops": max_ops,
         "resident_bytes": resident,
+        "lease_cache": not args.no_lease_cache,
     }
     res = Results("bench_store", vars(args).copy())
     res.args.update(

@@ -10,12 +10,14 @@ returns the bytes that were put, or raises ``NotFoundError``; never other bytes.
 from __future__ import annotations
 
 import logging
+import time
 
 import xxhash
 
 from kvpool.common.errors import KVPoolError, NotFoundError, TransferError
 from kvpool.common.rpc import error_from_body
 from kvpool.config import TransferConfig
+from kvpool.store.lease_cache import LeaseCache
 from kvpool.store.link import MasterLink
 from kvpool.transfer import Op, TransferEngine, TransferRequest
 from kvpool.transfer.segment import byte_view
@@ -56,11 +58,13 @@ class StoreClient:
         transfer: TransferEngine | TransferConfig | None = None,
         token: str | None = None,
         timeout: float = 10.0,
+        lease_cache: bool = True,
     ) -> None:
         self._own_engine = not isinstance(transfer, TransferEngine)
         self.engine = transfer if isinstance(transfer, TransferEngine) else TransferEngine(transfer)
         self.master = MasterLink(master, token=token, timeout=timeout)
         self.timeout = timeout
+        self.leases = LeaseCache(lease_cache)  # repeated reads within a lease skip the master
 
     # -- single ---------------------------------------------------------------------------------
 
@@ -76,22 +80,58 @@ class StoreClient:
 
     def get(self, key: str) -> bytes:
         """The value of ``key``; ``NotFoundError`` if it does not exist."""
-        meta = self.master.call("get", key)
-        buf = bytearray(meta["size"])
-        self._read(meta, memoryview(buf))
-        return bytes(buf)
+        for fresh in (False, True):
+            meta, cached = self._meta(key, fresh)
+            buf = bytearray(meta["size"])
+            try:
+                self._read(meta, memoryview(buf))
+                return bytes(buf)
+            except NotFoundError:
+                if not cached:
+                    raise
+                self.leases.drop(key)
+        raise AssertionError("unreachable")
 
     def get_into(self, key: str, buffer) -> int:
         """Read ``key`` straight into ``buffer`` (at least its size); the number of bytes."""
         view = byte_view(buffer, writable=True)
+        for fresh in (False, True):
+            meta, cached = self._meta(key, fresh)
+            if meta["size"] > len(view):
+                raise KVPoolError(f"buffer of {len(view)} bytes too small for {meta['size']}")
+            try:
+                self._read(meta, view[: meta["size"]])
+                return meta["size"]
+            except NotFoundError:
+                if not cached:
+                    raise
+                self.leases.drop(key)
+        raise AssertionError("unreachable")
+
+    def _meta(self, key: str, fresh: bool = False) -> tuple[dict, bool]:
+        """(the object's replicas, whether they came from a lease this client holds)."""
+        meta = None if fresh else self.leases.get(key)
+        if meta is not None:
+            return meta, True
+        asked = time.monotonic()
         meta = self.master.call("get", key)
-        if meta["size"] > len(view):
-            raise KVPoolError(f"buffer of {len(view)} bytes too small for {meta['size']}")
-        self._read(meta, view[: meta["size"]])
-        return meta["size"]
+        self.leases.put(key, meta, asked)
+        return meta, False
+
+    def _batch_metas(self, keys: list[str]) -> tuple[list, list[bool]]:
+        metas = [self.leases.get(k) for k in keys]
+        cached = [m is not None for m in metas]
+        missing = [i for i, m in enumerate(metas) if m is None]
+        if missing:
+            asked = time.monotonic()
+            got = self.master.call("batch_get", [keys[i] for i in missing])
+            for i, m in zip(missing, got, strict=True):
+                metas[i] = m
+                self.leases.put(keys[i], m, asked)
+        return metas, cached
 
     def get_size(self, key: str) -> int:
-        return int(self.master.call("get", key)["size"])
+        return int(self._meta(key)[0]["size"])
 
     def exists(self, key: str) -> bool:
         return bool(self.master.call("exists", key))
@@ -100,6 +140,7 @@ class StoreClient:
         return list(self.master.call("batch_exists", keys))
 
     def remove(self, key: str, force: bool = False) -> None:
+        self.leases.drop(key)
         self.master.call("remove", key, force)
 
     def stats(self) -> dict:
@@ -145,33 +186,54 @@ class StoreClient:
 
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
         """Values of many keys (None for a missing one)."""
-        metas = self.master.call("batch_get", keys)
-        bufs = [bytearray(m["size"]) if m else None for m in metas]
-        ok = self._read_many(metas, [[memoryview(b)] if b is not None else None for b in bufs])
-        return [
-            bytes(b) if b is not None and good else None for b, good in zip(bufs, ok, strict=False)
-        ]
+        bufs: dict[int, bytearray] = {}
+
+        def views_for(meta: dict, i: int) -> list:
+            bufs[i] = bytearray(meta["size"])
+            return [memoryview(bufs[i])]
+
+        _, ok = self._batch_read(keys, views_for)
+        return [bytes(bufs[i]) if good else None for i, good in enumerate(ok)]
 
     def batch_get_into(self, keys: list[str], buffers: list) -> list[int]:
         """Read many straight into buffers; per key the size read, or -1 when missing."""
-        metas = self.master.call("batch_get", keys)
-        views = []
-        for meta, buf in zip(metas, buffers, strict=True):
-            view = byte_view(buf, writable=True)
-            views.append([view[: meta["size"]]] if meta and meta["size"] <= len(view) else None)
-        ok = self._read_many(metas, views)
+        views = [byte_view(b, writable=True) for b in buffers]
+
+        def views_for(meta: dict, i: int) -> list | None:
+            return [views[i][: meta["size"]]] if meta["size"] <= len(views[i]) else None
+
+        metas, ok = self._batch_read(keys, views_for)
         return [m["size"] if good else -1 for m, good in zip(metas, ok, strict=True)]
 
     def batch_get_into_parts(self, keys: list[str], buffers: list[list]) -> list[int]:
         """Read many, each into a list of buffers that together are exactly its size (e.g. a
         header buffer and a slice of a KV tensor); per key the size read, or -1."""
-        metas = self.master.call("batch_get", keys)
-        views = []
-        for meta, bufs in zip(metas, buffers, strict=True):
-            ps = [byte_view(b, writable=True) for b in bufs]
-            views.append(ps if meta and meta["size"] == sum(len(p) for p in ps) else None)
-        ok = self._read_many(metas, views)
+        parts = [[byte_view(b, writable=True) for b in bs] for bs in buffers]
+
+        def views_for(meta: dict, i: int) -> list | None:
+            return parts[i] if meta["size"] == sum(len(p) for p in parts[i]) else None
+
+        metas, ok = self._batch_read(keys, views_for)
         return [m["size"] if good else -1 for m, good in zip(metas, ok, strict=True)]
+
+    def _batch_read(self, keys: list[str], views_for) -> tuple[list, list[bool]]:
+        """Read many (``views_for(meta, i)``: where object ``i`` goes, or None to skip it);
+        reads that relied on a cached lease and failed are retried once with fresh replicas."""
+        metas, cached = self._batch_metas(keys)
+        views = [views_for(m, i) if m else None for i, m in enumerate(metas)]
+        ok = self._read_many(metas, views)
+        stale = [i for i, (c, good) in enumerate(zip(cached, ok, strict=True)) if c and not good]
+        if stale:
+            asked = time.monotonic()
+            fresh = self.master.call("batch_get", [keys[i] for i in stale])
+            for i, m in zip(stale, fresh, strict=True):
+                self.leases.drop(keys[i])
+                self.leases.put(keys[i], m, asked)
+                metas[i], views[i] = m, (views_for(m, i) if m else None)
+            again = self._read_many([metas[i] for i in stale], [views[i] for i in stale])
+            for i, good in zip(stale, again, strict=True):
+                ok[i] = good
+        return metas, ok
 
     # -- data path ------------------------------------------------------------------------------
 
