@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from kvpool.common.errors import NotFoundError
+from kvpool.common.errors import LeaseExpiredError, NotFoundError
 from kvpool.config import MasterConfig
 from kvpool.store import EmbeddedStore, StoreClient
 from kvpool.store.lease_cache import LeaseCache
@@ -60,7 +60,7 @@ def test_a_forced_remove_and_new_value_is_detected_by_the_checksum(store):
 def test_own_remove_forgets_the_lease(store):
     store.put("k", b"x" * 10)
     assert store.get("k") == b"x" * 10
-    with pytest.raises(Exception):  # noqa: B017, PT011 (leased: refused without force)
+    with pytest.raises(LeaseExpiredError):  # leased by our get: refused without force
         store.remove("k")
     assert store.leases.get("k") is None
     store.remove("k", force=True)
