@@ -43,7 +43,13 @@ CONFIGS = {
     "colocated": ["--colocated", "2"],
     "disaggregated": ["--prefill", "1", "--decode", "1"],
 }
-EXTRA = {"disaggregated_nochunk": ["--prefill", "1", "--decode", "1", "--prefill-chunk", "0"]}
+EXTRA = {
+    "disaggregated_nochunk": ["--prefill", "1", "--decode", "1", "--prefill-chunk", "0"],
+    "disaggregated_handoff_always": ["--prefill", "1", "--decode", "1",
+                                     "--decode-prefill-tokens", "0"],
+    "disaggregated_decode_prefill_128": ["--prefill", "1", "--decode", "1",
+                                         "--decode-prefill-tokens", "128"],
+}  # fmt: skip
 WORDS = ["river", "stone", "lantern", "harbor", "meadow", "copper", "violet", "orchard",
          "signal", "thunder", "quiet", "marble", "falcon", "ember", "glacier", "willow",
          "canyon", "saffron", "pebble", "comet"]  # fmt: skip

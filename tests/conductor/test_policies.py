@@ -139,3 +139,21 @@ def test_admission_rejects_by_reason():
     assert ok.predicted_ttft_s < 10 and ok.predicted_tbt_s < 0.5
     with pytest.raises(ValueError):
         SLOConfig(ttft_s=-1)
+
+
+def test_short_remainders_skip_the_prefill_hand_off():
+    ws = snap(worker("p"), worker("d", role="decode"))
+    nearly_cached = req(blocks=8, pool=8)  # 133 tokens, 128 in the pool: 5 left to compute
+    slo = SLOConfig(ttft_s=None, tbt_s=None)
+    direct = Router(get_policy("cache_aware"), slo, decode_prefill_tokens=64).route(
+        ws, nearly_cached, 0
+    )
+    assert direct.prefill is None and direct.decode.worker_id == "d"
+    cold = Router(get_policy("cache_aware"), slo, decode_prefill_tokens=64).route(ws, req(), 0)
+    assert cold.prefill is not None  # 133 tokens to compute: hand off
+    always = Router(get_policy("cache_aware"), slo, decode_prefill_tokens=0).route(
+        ws, nearly_cached, 0
+    )
+    assert always.prefill is not None
+    with pytest.raises(ValueError):
+        Router(get_policy("cache_aware"), slo, decode_prefill_tokens=-1)

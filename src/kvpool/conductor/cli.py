@@ -20,6 +20,10 @@ def add_conductor_args(p: argparse.ArgumentParser) -> None:
                         "prefix may be before another worker pulls it from the pool")  # fmt: skip
     p.add_argument("--slo-ttft", type=float, default=30.0, help="TTFT SLO, seconds (0: off)")
     p.add_argument("--slo-tbt", type=float, default=2.0, help="TBT SLO, seconds (0: off)")
+    p.add_argument("--decode-prefill-tokens", type=int, default=64, metavar="N",
+                   help="skip the prefill hand-off when the decode worker has at most N "
+                        "prompt tokens left to compute after its cache and the pool "
+                        "(default %(default)s; 0: always hand off)")  # fmt: skip
     p.add_argument("--max-inflight", type=int, default=64,
                    help="requests in flight before new ones get 429 (default %(default)s)")  # fmt: skip
 
@@ -52,6 +56,7 @@ def build(args: argparse.Namespace, workers: list[str], token: str | None):
     router = Router(
         get_policy(args.policy, **kwargs),
         SLOConfig(args.slo_ttft or None, args.slo_tbt or None, args.max_inflight),
+        args.decode_prefill_tokens,
     )
     store = getattr(args, "store", None)
     cluster = ClusterState(workers, etcd=getattr(args, "etcd", None), store=store,
