@@ -96,18 +96,21 @@ def test_forged_tokens_end_the_loaded_prefix(pool, tiny_engine_factory):
 
 def test_unreachable_pool_falls_back_to_local_compute(tiny_engine_factory):
     store = EmbeddedStore(memory="16MiB")
-    conn = StoreConnector(store, retry_after_s=60)
-    eng = tiny_engine_factory(connector=conn)
-    prompt = prompt_of(4, 17)
-    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    want = run(eng, prompt, sp, "warm").outputs[0].token_ids
-    store.server.close()  # the master goes away
-    eng.reset_prefix_cache()
-    out = run(eng, prompt, sp, "after")
-    assert out.outputs[0].token_ids == want
-    assert not conn.pool_up() and conn.stats.pool_errors >= 1
-    eng.close()
-    store.node.close()
-    store.service.close()
-    with pytest.raises(KVPoolError):
-        store.exists("x")
+    try:
+        conn = StoreConnector(store, retry_after_s=60)
+        eng = tiny_engine_factory(connector=conn)
+        prompt = prompt_of(4, 17)
+        sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        want = run(eng, prompt, sp, "warm").outputs[0].token_ids
+        assert conn.wait_saved(eng.pool.cached_hashes(), 10)
+        eng._release_saved()  # blocks still held for saving would keep their cached hashes
+        store.server.close()  # the master goes away
+        assert eng.reset_prefix_cache() > 0
+        out = run(eng, prompt, sp, "after")
+        assert out.outputs[0].token_ids == want
+        assert not conn.pool_up() and conn.stats.pool_errors >= 1
+        eng.close()
+        with pytest.raises(KVPoolError):
+            store.exists("x")
+    finally:
+        store.close()

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
 from kvpool.config import MasterConfig, TransferConfig, parse_size
 from kvpool.store.client import StoreClient
 from kvpool.store.master.service import MasterService
 from kvpool.store.node import StorageNode
 from kvpool.transfer import TransferEngine
+
+_ids = itertools.count(1)
 
 
 class EmbeddedStore(StoreClient):
@@ -17,10 +21,11 @@ class EmbeddedStore(StoreClient):
         memory: int | str = "256MiB",
         master_config: MasterConfig | None = None,
         transfer_config: TransferConfig | None = None,
-        node_id: str = "embedded",
+        node_id: str | None = None,  # default: unique, so several can live in one process
         ssd_path: str | None = None,
         ssd_size: int | str = 0,
     ) -> None:
+        node_id = node_id or f"embedded-{next(_ids)}"
         self.service = MasterService(master_config)
         self.server = self.service.serve()
         engine = TransferEngine(transfer_config)
