@@ -122,3 +122,22 @@ def test_ssd_tier_offloads_and_promotes(tmp_path):
     finally:
         store.close()
     assert not list((tmp_path / "ssd").iterdir())  # the tier's file goes with the node
+
+
+def test_index_deltas_are_resent_until_acknowledged():
+    """A heartbeat reply that never reaches the node loses no delta (at-least-once)."""
+    import time
+
+    from kvpool.store.master.service import _TrackedState
+
+    state = _TrackedState(MasterConfig(), time.monotonic)
+    state.deltas["n"] += [["add", "a", 1, "s", 0, None], ["add", "b", 1, "s", 8, None]]
+    sent, seq = state.take_deltas("n", None, 0)  # this reply is lost
+    assert [d[1] for d in sent] == ["a", "b"] and seq == 2
+    again, seq = state.take_deltas("n", None, 0)  # so the node acks nothing: resent
+    assert again == sent and seq == 2
+    state.deltas["n"].append(["del", "a", 0, "s", 0, None])
+    rest, seq = state.take_deltas("n", state.epoch, 2)  # a and b acknowledged
+    assert [d[0] for d in rest] == ["del"] and seq == 3
+    assert state.take_deltas("n", "another-master", 3) == (rest, 3)  # foreign acks ignored
+    assert state.take_deltas("n", state.epoch, 3) == ([], 3)

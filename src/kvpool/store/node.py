@@ -58,6 +58,7 @@ class StorageNode:
         self.index: dict[str, tuple[str, int, int, int | None]] = {}
         self._lock = threading.Lock()
         self._interval = heartbeat_interval
+        self._ack: tuple[str | None, int] = (None, 0)  # (master epoch, last delta seq applied)
         self._stop = threading.Event()
         self._mount()
         self._thread = threading.Thread(target=self._beat_loop, name="kvpool-node", daemon=True)
@@ -79,7 +80,7 @@ class StorageNode:
 
     def beat(self) -> None:
         """One heartbeat: apply index deltas, or mount again if the master forgot us."""
-        reply = self.master.call("heartbeat", self.node_id)
+        reply = self.master.call("heartbeat", self.node_id, self._ack[0], self._ack[1])
         if not reply["known"]:
             self._mount()
             return
@@ -89,6 +90,7 @@ class StorageNode:
                     self.index[key] = (segment, offset, size, checksum)
                 elif self.index.get(key, (None, None))[:2] == (segment, offset):
                     del self.index[key]
+        self._ack = (reply.get("epoch"), int(reply.get("seq", 0)))  # acknowledged next beat
 
     def copy(self, src: str, src_offset: int, dst: str, dst_offset: int, size: int) -> bool:
         """Copy ``size`` bytes between two of this node's segments (a tier move)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -63,6 +64,19 @@ class _TrackedState(MasterState):
     def __init__(self, config: MasterConfig, clock: Callable[[], float]) -> None:
         super().__init__(config, clock)
         self.deltas: dict[str, list] = defaultdict(list)
+        # seq of each node's first undelivered-or-unacknowledged delta: a delta stays queued
+        # until the node acknowledges it, so a lost heartbeat reply loses nothing
+        self.delta_base: dict[str, int] = defaultdict(lambda: 1)
+        self.epoch = uuid.uuid4().hex  # acks of another master's deltas mean nothing here
+
+    def take_deltas(self, node_id: str, epoch: str | None, ack: int) -> tuple[list, int]:
+        """Drop the node's deltas up to ``ack`` (if it speaks of ours); (the rest, last seq)."""
+        queue, base = self.deltas[node_id], self.delta_base[node_id]
+        if epoch == self.epoch and ack >= base:
+            done = min(ack - base + 1, len(queue))
+            del queue[:done]
+            self.delta_base[node_id] = base = base + done
+        return list(queue), base + len(queue) - 1
 
     def put_end(self, key: str, checksum: int | None = None) -> None:
         super().put_end(key, checksum)
@@ -87,6 +101,7 @@ class _TrackedState(MasterState):
 
     def drop_node(self, node_id: str) -> list[str]:
         self.deltas.pop(node_id, None)
+        self.delta_base.pop(node_id, None)
         return super().drop_node(node_id)
 
 
@@ -158,12 +173,16 @@ class MasterService:
             return False
 
     @rpc_method
-    def heartbeat(self, node_id: str) -> dict:
-        """``{"known": bool, "deltas": [[op, key, size, segment, offset, checksum], ...]}``."""
+    def heartbeat(self, node_id: str, epoch: str | None = None, ack: int = 0) -> dict:
+        """``{"known", "deltas": [[op, key, size, segment, offset, checksum], ...], "epoch",
+        "seq"}``: the deltas not yet acknowledged (``ack``: the last ``seq`` the node applied
+        from this ``epoch``); they are resent until acknowledged, and applying one twice is
+        harmless."""
         with self.lock:
             known = self.state.heartbeat(node_id)
-            deltas = self.state.deltas.pop(node_id, []) if known else []
-        return {"known": known, "deltas": deltas}
+            deltas, seq = self.state.take_deltas(node_id, epoch, _int(ack, "ack")) if known \
+                else ([], 0)  # fmt: skip
+        return {"known": known, "deltas": deltas, "epoch": self.state.epoch, "seq": seq}
 
     @rpc_method
     def report(self, node_id: str, objects: list) -> int:
