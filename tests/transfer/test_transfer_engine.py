@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -173,16 +174,16 @@ def test_register_errors_and_unregister(engine_factory):
         te.register("", size=10)
     seg = te.register("x/kv", size=10)
     shm_name = seg.shm_name
+    before = set(os.listdir("/dev/shm"))
     with pytest.raises(BadRequestError):
         te.register("x/kv", size=10)
+    assert set(os.listdir("/dev/shm")) == before  # the refused one leaves no file behind
     other = engine_factory()
     with pytest.raises(Exception, match="already registered"):
         other.register("x/kv", size=10)  # a live owner holds the name
     te.unregister("x/kv")
     with pytest.raises(NotFoundError):
         other.read(np.zeros(1, np.uint8), "x/kv")
-    import os
-
     assert not os.path.exists(f"/dev/shm/{shm_name}")
     with pytest.raises(NotFoundError):
         te.unregister("x/kv")

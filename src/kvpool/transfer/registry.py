@@ -74,6 +74,10 @@ class SegmentRegistry:
                 raise BadRequestError("cannot register an empty buffer")
         with self._lock:
             if name in self._by_name:
+                if region is not None:  # the memory allocated above goes back at once
+                    with contextlib.suppress(BufferError):
+                        view.release()
+                    region.close()
                 raise BadRequestError(f"segment {name!r} is already registered here")
             seg = Segment(name, self._next_id, view, region, keep=buffer)
             self._next_id += 1
