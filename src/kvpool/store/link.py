@@ -82,6 +82,8 @@ class MasterLink:
                 address = self._resolve()
                 if address != self.rpc.address:
                     self.rpc.retarget(address)
+                else:  # etcd still names the dead leader until its lease runs out
+                    time.sleep(0.1)
 
     def retarget(self, address: str) -> None:
         self.rpc.retarget(address)

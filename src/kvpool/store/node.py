@@ -65,18 +65,19 @@ class StorageNode:
         self._thread.start()
 
     def _mount(self) -> None:
+        """Mount each segment together with what it holds (one step on the master, so a new
+        leader never allocates over objects it has not adopted yet)."""
         address = self.rpc.address
-        self.master.call("mount", self.node_id, self.segment_name, "dram", self.segment.size,
-                         address)  # fmt: skip
-        if self.ssd is not None:
-            self.master.call("mount", self.node_id, self.ssd.name, "ssd", self.ssd.size, address)
         with self._lock:
             items = [[k, s, seg, o, c] for k, (seg, o, s, c) in self.index.items()]
+        segments = [(self.segment_name, "dram", self.segment.size)]
+        if self.ssd is not None:
+            segments.append((self.ssd.name, "ssd", self.ssd.size))
+        for name, tier, size in segments:
+            mine = [i for i in items if i[2] == name]
+            self.master.call("mount", self.node_id, name, tier, size, address, mine)
         if items:
-            adopted = self.master.call("report", self.node_id, items)
-            logger.info(
-                "node %s: master adopted %d of %d objects", self.node_id, adopted, len(items)
-            )
+            logger.info("node %s: mounted, reporting %d objects", self.node_id, len(items))
 
     def beat(self) -> None:
         """One heartbeat: apply index deltas, or mount again if the master forgot us."""

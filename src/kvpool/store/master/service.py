@@ -148,13 +148,23 @@ class MasterService:
 
     @rpc_method
     def mount(
-        self, node_id: str, segment: str, tier: str, capacity: int, address: str | None = None
+        self,
+        node_id: str,
+        segment: str,
+        tier: str,
+        capacity: int,
+        address: str | None = None,
+        objects: list | None = None,
     ) -> bool:
-        """A node offers a segment; ``address``: its RPC server (for tier moves)."""
+        """A node offers a segment; ``address``: its RPC server (for tier moves); ``objects``:
+        what the segment already holds, adopted in the same step, so that no allocation can
+        land on it in between (a new leader rebuilding its table)."""
         with self.lock:
             self.state.mount(node_id, segment, Tier(tier), _int(capacity, "capacity"))
             if address:
                 self._node_addresses[node_id] = address
+            if objects:
+                self._adopt(node_id, objects)
         return True
 
     def _move(self, src: Replica, dst: Replica, size: int) -> bool:
@@ -187,20 +197,24 @@ class MasterService:
     @rpc_method
     def report(self, node_id: str, objects: list) -> int:
         """A node's contents after a (re)mount: adopt what this master does not know."""
-        adopted = 0
         with self.lock:
-            for key, size, segment, offset, checksum in objects:
-                mounted = self.state.segments.get(segment)
-                tier = mounted.tier if mounted is not None else Tier.DRAM
-                replica = Replica(node_id, segment, _int(offset, "offset"), tier)
-                meta = self.state.objects.get(key)
-                if meta is not None and any(r.segment == segment for r in meta.replicas):
-                    continue
-                try:
-                    self.state.adopt(node_id, key, _int(size, "size"), replica, checksum)
-                    adopted += 1
-                except (KVPoolError, ValueError, KeyError) as exc:
-                    logger.warning("master: cannot adopt %s from %s: %s", key, node_id, exc)
+            return self._adopt(node_id, objects)
+
+    def _adopt(self, node_id: str, objects: list) -> int:
+        """Adopt a node's objects this master does not know (called with the lock held)."""
+        adopted = 0
+        for key, size, segment, offset, checksum in objects:
+            mounted = self.state.segments.get(segment)
+            tier = mounted.tier if mounted is not None else Tier.DRAM
+            replica = Replica(node_id, segment, _int(offset, "offset"), tier)
+            meta = self.state.objects.get(key)
+            if meta is not None and any(r.segment == segment for r in meta.replicas):
+                continue
+            try:
+                self.state.adopt(node_id, key, _int(size, "size"), replica, checksum)
+                adopted += 1
+            except (KVPoolError, ValueError, KeyError) as exc:
+                logger.warning("master: cannot adopt %s from %s: %s", key, node_id, exc)
         return adopted
 
     # -- objects --------------------------------------------------------------------------------
