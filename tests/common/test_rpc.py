@@ -17,6 +17,7 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from raw_rpc import frame, raw_reply, recv_exact, request, serve_handshake
 
 from kvpool.common.errors import (
     BadRequestError,
@@ -24,6 +25,7 @@ from kvpool.common.errors import (
     KVPoolError,
     KVPoolTimeoutError,
     NotFoundError,
+    PayloadTooLargeError,
     ProtocolError,
     RejectedError,
 )
@@ -33,7 +35,7 @@ from kvpool.common.rpc import AuthError, RpcClient, RpcServer, pack, rpc_method
 class Handler:
     """Exposes a few methods; ``hidden`` and ``_private`` must stay unreachable."""
 
-    @rpc_method
+    @rpc_method(bulk=True)
     def echo(self, value):
         return value
 
@@ -94,23 +96,9 @@ def client(server):
 
 
 def raw_conn(server: RpcServer) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    from raw_rpc import raw_conn as connect
 
-
-def raw_reply(sock: socket.socket) -> list:
-    """Read one framed reply (fails the test if none comes within the socket timeout)."""
-    header = recv_exact(sock, 4)
-    return msgpack.unpackb(recv_exact(sock, int.from_bytes(header, "big")), raw=False,
-                           strict_map_key=False)  # fmt: skip
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        chunk = sock.recv(n - len(out))
-        assert chunk, "server closed the connection"
-        out += chunk
-    return bytes(out)
+    return connect(server.port)
 
 
 MIB = os.urandom(1 << 20)
@@ -239,10 +227,6 @@ def test_timeout_then_next_call_gets_its_own_reply(server, client):
     assert client.call("echo", "next") == "next"
 
 
-def frame(payload: bytes) -> bytes:
-    return len(payload).to_bytes(4, "big") + payload
-
-
 def test_client_discards_stale_and_malformed_replies():
     """A hand-made server answers every request with junk and a stale id before the real reply."""
     listener = socket.create_server(("127.0.0.1", 0))
@@ -261,12 +245,13 @@ def test_client_discards_stale_and_malformed_replies():
             return
         with conn:
             conn.settimeout(5)
+            serve_handshake(conn)
             while not stop.is_set():
                 try:
                     header = recv_exact(conn, 4)
                 except (AssertionError, OSError):
                     return
-                _, rid, _, args, _, _ = msgpack.unpackb(
+                _, rid, args, _ = msgpack.unpackb(
                     recv_exact(conn, int.from_bytes(header, "big")), raw=False
                 )
                 for junk in [
@@ -298,6 +283,7 @@ def test_oversized_reply_header_breaks_the_connection():
     def serve():
         conn, _ = listener.accept()
         with conn:
+            serve_handshake(conn)
             conn.recv(4096)
             conn.sendall((1 << 31).to_bytes(4, "big"))
             time.sleep(1)
@@ -340,18 +326,23 @@ MALFORMED = [
     b"\x01\x02",  # two values in one message
     pack(1),
     pack([]),
-    pack([1, 2, 3]),
-    pack({"version": 1}),
-    pack([2, 11, "add", [1, 2], {}, None]),
-    pack([True, 12, "add", [1, 2], {}, None]),
-    pack([1, "13", "add", [1, 2], {}, None]),
-    pack([1, 14, 123, [1, 2], {}, None]),
-    pack([1, 15, "add", "1,2", {}, None]),
-    pack([1, 16, "add", [1], {1: 2}, None]),
-    pack([1, 17, "add", [1], [], None]),
-    pack([1, 18, "add", ["a", 1], {}, None]),  # passes checks; the handler's TypeError
+    pack(["add", 1, [1, 2]]),
+    pack({"method": "add"}),
+    pack([1, 11, [1, 2], {}]),  # v1's layout
+    pack(["add", True, [1, 2], {}]),
+    pack(["add", "13", [1, 2], {}]),
+    pack([123, 14, [1, 2], {}]),
+    pack(["add", 15, "1,2", {}]),
+    pack(["add", 16, [1], {1: 2}]),
+    pack(["add", 17, [1], []]),
+    pack(["add", 18, ["a", 1], {}]),  # passes checks; the handler's TypeError
+    pack(["nope", 19, [], {}]),
+    pack(["add", -20, [1, 2], {}]),
+    pack(["a" * 40, 21, [], {}]),  # a method name longer than a fixstr
     msgpack.packb(msgpack.ExtType(5, b"x")),
-    b"\x91" * 2000,  # deeply nested arrays
+    pack(["add", 22, [msgpack.ExtType(5, b"x")], {}]),
+    b"\x94\xa3add\x17" + b"\x91" * 2000,  # deeply nested arrays
+    b"\x94\xa3add\x18" + b"\xdd\x7f\xff\xff\xff",  # announces 2**31 elements
 ]
 
 
@@ -362,9 +353,9 @@ def test_malformed_messages_get_error_replies(server, client):
             reply = raw_reply(sock)
             assert reply[1] is False, payload
             assert reply[2]["type"] in {"ProtocolError", "BadRequestError", "KVPoolError"}
-        sock.sendall(frame(pack([2, 11, "add", [1, 2], {}, None])))
+        sock.sendall(frame(pack(["add", 11, "x", {}])))
         assert raw_reply(sock)[0] == 11  # the id is echoed whenever it could be read
-        sock.sendall(frame(pack([1, 19, "add", [1, 2], {}, None])))
+        sock.sendall(request("add", 19, [1, 2]))
         assert raw_reply(sock) == [19, True, 3]  # the connection survived all of it
     assert client.call("add", 1, 2) == 3
 
@@ -384,7 +375,7 @@ def test_random_payloads(server, data):
 def test_requests_split_and_pipelined(server):
     """Frames cut into single bytes, and many frames in one send, are all answered in order
     of arrival (workers=1) or at least all answered (pool)."""
-    requests = [frame(pack([1, i, "add", [i, 1], {}, None])) for i in range(1, 51)]
+    requests = [request("add", i, [i, 1]) for i in range(1, 51)]
     with raw_conn(server) as sock:
         for byte in requests[0]:
             sock.sendall(bytes([byte]))
@@ -397,18 +388,20 @@ def test_requests_split_and_pipelined(server):
 
 
 def test_oversized_frames_are_refused():
-    with RpcServer(Handler(), max_message_size=1024) as srv:
+    with RpcServer(Handler(), max_message_size=1 << 17) as srv:
         with raw_conn(srv) as sock:
-            sock.sendall((4096).to_bytes(4, "big") + os.urandom(4096))
+            sock.sendall((1 << 18).to_bytes(4, "big") + os.urandom(4096))
             reply = raw_reply(sock)
             assert reply[1] is False and "exceeds the limit" in reply[2]["message"]
             assert sock.recv(10) == b""  # and the connection is closed
-        with RpcClient(srv.address, timeout=0.5) as c:
-            with pytest.raises(ProtocolError, match="exceeds the limit"):
-                c.call("echo", b"x" * 4096)  # the server's limit, not the client's
-            assert c.call("echo", b"x" * 100) == b"x" * 100
+        with RpcClient(srv.address, timeout=2) as c:
+            with pytest.raises(PayloadTooLargeError, match="exceeds the limit"):
+                c.call("echo", b"x" * (1 << 18))  # the server's limit, not the client's
+            assert c.call("echo", b"x" * 100_000) == b"x" * 100_000  # a bulk method
+            with pytest.raises(PayloadTooLargeError, match="exceeds its limit of 65536"):
+                c.call("add", b"x" * 100_000)  # a small method's own limit
             with pytest.raises(KVPoolError, match="exceeds the message limit"):
-                c.call("repeat", b"x", 2000)  # the reply would be too large
+                c.call("repeat", b"x" * 60_000, 1200)  # the reply would be too large
             assert c.call("add", 1, 2) == 3
 
 
@@ -429,11 +422,11 @@ def test_raw_tcp_garbage_and_idle_connections(server, client):
 def test_a_client_that_never_reads_does_not_stall_others(server, client):
     """Requests whose replies are never read fill that connection only."""
     with raw_conn(server) as greedy:
-        request = frame(pack([1, 1, "repeat", [b"y" * 1024, 1024], {}, None]))  # 1 MiB replies
+        big = request("repeat", 1, [b"y" * 1024, 1024])  # 1 MiB replies
         greedy.settimeout(0.5)
         with contextlib.suppress(TimeoutError):
             for _ in range(64):
-                greedy.sendall(request)
+                greedy.sendall(big)
         assert client.call("echo", "not stalled") == "not stalled"
 
 

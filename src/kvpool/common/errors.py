@@ -112,3 +112,25 @@ class UnavailableError(KVPoolError):
 
 class ConnectionLostError(UnavailableError):
     """A control-plane peer could not be reached, or dropped the connection mid-call."""
+
+
+class AuthError(KVPoolError):
+    """A missing or wrong shared secret (the cluster token, the admin token or an API key), or
+    a peer that could not prove it holds the cluster token."""
+
+    http_status = 401
+    error_type = "authentication_error"
+
+
+class ForbiddenError(KVPoolError):
+    """An authenticated caller asked for something its role does not allow (an admin call)."""
+
+    http_status = 403
+    error_type = "permission_error"
+
+
+class PayloadTooLargeError(KVPoolError):
+    """A request body or message over the size the receiver accepts."""
+
+    http_status = 413
+    error_type = "invalid_request_error"

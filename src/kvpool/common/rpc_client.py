@@ -1,6 +1,9 @@
 """The RPC client (one blocking TCP connection); see ``rpc.py`` for the wire format.
 
 The calling thread sends its request and reads the reply itself: no I/O thread, no hand-off.
+Each new connection first runs the handshake: it proves the cluster token (or the admin
+token) and makes the server prove it too, so a request never goes to a server that does not
+hold the token; a failed proof raises ``AuthError`` (never retried as a lost connection).
 """
 
 from __future__ import annotations
@@ -14,26 +17,33 @@ import threading
 import time
 from typing import Any
 
+from kvpool.common import auth
 from kvpool.common.errors import (
+    AuthError,
     BadRequestError,
     ConnectionLostError,
     KVPoolError,
     KVPoolTimeoutError,
+    ProtocolError,
 )
-from kvpool.common.rpc_server import (
-    _MAX_STALE,
-    DEFAULT_MAX_MESSAGE_SIZE,
+from kvpool.common.rpc_server import MAX_REPLY, new_client_id
+from kvpool.common.rpc_wire import (
     HEADER,
+    MAGIC,
     PROTOCOL_VERSION,
-    _is_int,
-    _nodelay,
-    _split_address,
+    error_from_body,
     frame,
+    is_int,
+    nodelay,
+    pack,
+    split_address,
+    unpack,
 )
-from kvpool.common.rpc_wire import error_from_body, pack, unpack
 
 logger = logging.getLogger(__name__)
 _RECV = 64 << 10
+_MAX_STALE = 10_000  # stale replies a client discards per call before giving up
+_HANDSHAKE_BYTES = 4096
 
 
 def _reply_for(payload: bytes, rid: int) -> list | None:
@@ -44,7 +54,7 @@ def _reply_for(payload: bytes, rid: int) -> list | None:
         return None
     if not isinstance(reply, list) or len(reply) != 3 or not isinstance(reply[1], bool):
         return None
-    if _is_int(reply[0]) and reply[0] == rid:
+    if is_int(reply[0]) and reply[0] == rid:
         return reply
     # an error about a message the server could not read (no id): with one call in flight
     # per connection, it is about ours
@@ -56,18 +66,28 @@ class _Broken(Exception):
 
 
 class RpcClient:
-    """Blocking and asyncio calls to one RpcServer; thread-safe (one connection behind a lock)."""
+    """Blocking and asyncio calls to one RpcServer; thread-safe (one connection behind a lock).
+
+    ``token``: the cluster token (None: from the environment, ``""``: none); ``admin_token``:
+    connect as an admin instead (admin calls, e.g. a forced remove from the pool).
+    """
 
     def __init__(
         self,
         address: str,
         token: str | None = None,
         timeout: float = 5.0,
-        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+        max_message_size: int = MAX_REPLY,
+        *,
+        admin_token: str | None = None,
     ) -> None:
-        self._host, self._port = _split_address(address)
+        self._host, self._port = split_address(address)
         self.address = address
-        self.token = token
+        admin = auth.admin_token(admin_token) if admin_token is not None else None
+        secret = admin if admin else auth.cluster_token(token)
+        self.role = "admin" if admin else "member"
+        self._key = auth.derive_key(secret, auth.RPC) if secret else None
+        self.client_id = new_client_id()
         self.timeout = timeout
         self._max_size = max_message_size
         self._lock = threading.Lock()
@@ -83,11 +103,9 @@ class RpcClient:
         deadline = time.monotonic() + limit
         rid = next(self._ids)
         try:
-            payload = pack([PROTOCOL_VERSION, rid, method, list(args), kwargs, self.token])
+            payload = pack([method, rid, list(args), kwargs])
         except (TypeError, ValueError, OverflowError) as exc:
             raise BadRequestError(f"arguments of {method} cannot be encoded: {exc}") from exc
-        if len(payload) > self._max_size:
-            raise BadRequestError(f"request to {method} exceeds the message limit")
         if not self._lock.acquire(timeout=max(limit, 0.0)):
             raise KVPoolTimeoutError(f"rpc {method} to {self.address}: client busy for {limit}s")
         try:
@@ -107,16 +125,13 @@ class RpcClient:
         replaced, so a late reply never answers a later call)."""
         try:
             sock = self._connect(deadline)
-            wait = max(deadline - time.monotonic(), 1e-3)
-            if abs(wait - self._sock_timeout) > 0.05 * wait:  # settimeout costs two syscalls
-                sock.settimeout(wait)
-                self._sock_timeout = wait
+            self._set_timeout(sock, deadline)
             sock.sendall(frame(payload))
             for _ in range(_MAX_STALE):
-                reply = _reply_for(self._read_frame(sock, deadline), rid)
+                reply = _reply_for(self._read_frame(sock, deadline, self._max_size), rid)
                 if reply is not None:
                     if reply[0] is None:
-                        self._reset()  # the server closes such connections
+                        self._reset()  # the server may close such connections
                     return reply
                 logger.debug("rpc %s: discarded a stale or malformed reply", self.address)
         except TimeoutError:
@@ -124,24 +139,66 @@ class RpcClient:
         except (OSError, _Broken) as exc:
             self._reset()
             raise ConnectionLostError(f"rpc {method} to {self.address}: {exc}") from exc
+        except KVPoolError:  # a refused handshake
+            self._reset()
+            raise
         self._reset()
         return None
+
+    def _set_timeout(self, sock: socket.socket, deadline: float) -> None:
+        wait = max(deadline - time.monotonic(), 1e-3)
+        if abs(wait - self._sock_timeout) > 0.05 * wait:  # settimeout costs two syscalls
+            sock.settimeout(wait)
+            self._sock_timeout = wait
 
     def _connect(self, deadline: float) -> socket.socket:
         if self._sock is None:
             wait = max(deadline - time.monotonic(), 1e-3)
             sock = socket.create_connection((self._host, self._port), timeout=wait)
-            _nodelay(sock)
+            nodelay(sock)
             self._sock, self._buf, self._sock_timeout = sock, bytearray(), wait
+            self._handshake(sock, deadline)
         return self._sock
 
-    def _read_frame(self, sock: socket.socket, deadline: float) -> bytes:
+    def _handshake(self, sock: socket.socket, deadline: float) -> None:
+        """Prove our token, check the server's proof (see ``auth``)."""
+        hello = self._handshake_frame(sock, deadline)
+        if not (isinstance(hello, list) and len(hello) == 4 and hello[1] == MAGIC):
+            raise _Broken("not a kvpool RPC server (no greeting)")
+        version, _, server_nonce, required = hello
+        if version != PROTOCOL_VERSION or not isinstance(server_nonce, bytes):
+            raise ProtocolError(f"{self.address} speaks RPC protocol {version!r}, "
+                                f"this client {PROTOCOL_VERSION}")  # fmt: skip
+        nonce = auth.new_nonce()
+        given = None if self._key is None else auth.proof(self._key, b"client", server_nonce, nonce)
+        sock.sendall(frame(pack([PROTOCOL_VERSION, nonce, self.role, given, self.client_id])))
+        welcome = self._handshake_frame(sock, deadline)
+        if isinstance(welcome, list) and len(welcome) == 3 and welcome[0] is None:
+            raise error_from_body(welcome[2], f"handshake with {self.address}")
+        if not (isinstance(welcome, list) and len(welcome) == 3 and welcome[0] is True):
+            raise _Broken("malformed handshake reply")
+        if self._key is not None and not auth.proofs_match(
+            welcome[1], auth.proof(self._key, b"server", nonce, server_nonce)
+        ):
+            raise AuthError(
+                f"the server at {self.address} could not prove it holds the cluster token "
+                f"({'wrong token' if required else 'it runs without one'}): not using it"
+            )
+
+    def _handshake_frame(self, sock: socket.socket, deadline: float) -> Any:
+        self._set_timeout(sock, deadline)
+        try:
+            return unpack(self._read_frame(sock, deadline, _HANDSHAKE_BYTES))
+        except (ValueError, TypeError) as exc:
+            raise _Broken(f"malformed handshake frame: {exc}") from None
+
+    def _read_frame(self, sock: socket.socket, deadline: float, limit: int) -> bytes:
         buf = self._buf
         need = 4
         while True:
             if len(buf) >= 4:
                 (size,) = HEADER.unpack_from(buf, 0)
-                if size > self._max_size:
+                if size > limit:
                     raise _Broken(f"reply of {size} bytes exceeds the message limit")
                 need = 4 + size
                 if len(buf) >= need:
@@ -171,7 +228,7 @@ class RpcClient:
 
     def retarget(self, address: str) -> None:
         """Point later calls at another server (e.g. a new master after fail-over)."""
-        host, port = _split_address(address)
+        host, port = split_address(address)
         with self._lock:
             self._reset()
             self._host, self._port, self.address = host, port, address
