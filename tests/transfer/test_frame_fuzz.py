@@ -33,11 +33,22 @@ def target():
     owner.close()
 
 
+def recv_n(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n and (chunk := s.recv(n - len(out))):
+        out += chunk
+    return out
+
+
 def connect(port: int, handshake: bool) -> socket.socket:
+    """A raw connection, past the (open server's) handshake if ``handshake``."""
     s = socket.create_connection(("127.0.0.1", port), timeout=5)
     if handshake:
-        s.sendall(P.HELLO.pack(P.MAGIC, P.VERSION, 0))
-        assert s.recv(P.WELCOME.size) == P.WELCOME.pack(P.MAGIC, P.Status.OK)
+        s.sendall(P.HELLO.pack(P.MAGIC, P.VERSION, 0, bytes(16)))
+        magic, status, wants_proof, _, _ = P.CHALLENGE.unpack(recv_n(s, P.CHALLENGE.size))
+        assert (magic, status, wants_proof) == (P.MAGIC, P.Status.OK, 0)
+        s.sendall(P.PROOF.pack(P.NO_PROOF))
+        assert recv_n(s, P.WELCOME.size) == P.WELCOME.pack(P.MAGIC, P.Status.OK)
     return s
 
 
@@ -93,14 +104,15 @@ def test_garbage_before_the_handshake(target, junk):
     assert_healthy(target)
 
 
-def test_wrong_token_length_and_version(target):
+def test_bad_magic_and_version(target):
     owner = target[0]
     with connect(owner.port, handshake=False) as s:
-        s.sendall(P.HELLO.pack(P.MAGIC, P.VERSION, P.MAX_TOKEN_BYTES + 1))
+        s.sendall(P.HELLO.pack(b"HTTP", P.VERSION, 0, bytes(16)))
         assert s.recv(16) == b""  # closed without a reply
     with connect(owner.port, handshake=False) as s:
-        s.sendall(P.HELLO.pack(P.MAGIC, 99, 0))
-        assert s.recv(16) == P.WELCOME.pack(P.MAGIC, P.Status.BAD_VERSION)
+        s.sendall(P.HELLO.pack(P.MAGIC, 1, 0, bytes(16)))  # version 1 sent the token itself
+        reply = P.CHALLENGE.unpack(recv_n(s, P.CHALLENGE.size))
+        assert reply[1] == P.Status.BAD_VERSION and s.recv(16) == b""
     assert_healthy(target)
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -12,6 +15,7 @@ import pytest
 from kvpool.common.errors import AlreadyExistsError, BadRequestError, KVPoolError
 from kvpool.common.etcd import EtcdClient, prefix_end
 from kvpool.transfer.metadata import (
+    OWNER_KEY_HEADER,
     DescriptorTable,
     EtcdDirectory,
     HttpDirectory,
@@ -19,22 +23,37 @@ from kvpool.transfer.metadata import (
     open_directory,
     wait_for,
 )
-from kvpool.transfer.metadata_server import MetadataServer
-from kvpool.transfer.segment import SegmentDescriptor
+from kvpool.transfer.metadata_server import MetadataServer, host_matches
+from kvpool.transfer.segment import SegmentDescriptor, boot_id
 
 
-def desc(name: str, owner: str = "o1", port: int = 1) -> SegmentDescriptor:
-    return SegmentDescriptor(name, 4096, "127.0.0.1", port, 1, owner, 1, "boot", None)
+def desc(name: str, owner: str = "o1", port: int = 1, pid: int | None = None,
+         **fields) -> SegmentDescriptor:  # fmt: skip
+    """A descriptor of a live owner on this host (this process) unless ``pid`` says else."""
+    d = SegmentDescriptor(name, 4096, "127.0.0.1", port, 1, owner, pid or os.getpid(),
+                          boot_id(), None)  # fmt: skip
+    return SegmentDescriptor(**{**d.to_dict(), **fields})
 
 
-def exercise(a, b) -> None:
-    """Two directory clients (two owners) of the same backend."""
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def exercise(a, b, keyed: bool = True) -> None:
+    """Two directory clients (two owners) of the same backend (``keyed``: it checks owner
+    keys, so knowing another's public owner id does not let one replace its entry)."""
     a.publish(desc("s/1"))
     assert b.lookup("s/1") == desc("s/1")
     a.publish(desc("s/1", port=2))  # the owner may update its entry
     assert b.lookup("s/1").port == 2
     with pytest.raises(AlreadyExistsError):
         b.publish(desc("s/1", owner="o2"))
+    if keyed:
+        with pytest.raises(AlreadyExistsError):
+            b.publish(desc("s/1", owner="o1", port=666))  # a's id, not a's key
+        assert a.lookup("s/1").port == 2
     b.publish(desc("s/2", owner="o2"))
     assert sorted(d.name for d in a.list() if d.name.startswith("s/")) == ["s/1", "s/2"]
     b.withdraw("s/1")  # not b's: nothing happens
@@ -56,7 +75,33 @@ def test_http_directory(metadata):
 
 
 def test_etcd_directory(etcd):
-    exercise(EtcdDirectory(etcd.endpoint), EtcdDirectory(etcd.endpoint))
+    exercise(EtcdDirectory(etcd.endpoint), EtcdDirectory(etcd.endpoint), keyed=False)
+
+
+@pytest.mark.parametrize("backend", ["memory", "http", "etcd"])
+def test_a_dead_owners_name_is_handed_over(backend, metadata, etcd):
+    table = DescriptorTable()
+    make = {"memory": lambda: InProcessDirectory(table),
+            "http": lambda: HttpDirectory(metadata.url),
+            "etcd": lambda: EtcdDirectory(etcd.endpoint)}[backend]  # fmt: skip
+    a, b = make(), make()
+    a.publish(desc(f"takeover/{backend}", owner="old", pid=dead_pid()))
+    b.publish(desc(f"takeover/{backend}", owner="new"))  # a restarted worker takes it back
+    assert a.lookup(f"takeover/{backend}").owner_id == "new"
+    b.close()
+    a.close()
+
+
+def test_invalid_descriptors_in_etcd_are_not_used(etcd):
+    c = EtcdClient(etcd.endpoint)
+    bad = {**desc("evil").to_dict(), "shm_name": "../../home/user/.bashrc"}
+    c.put(b"/kvpool/segments/evil", json.dumps(bad).encode())
+    c.put(b"/kvpool/segments/junk", b"not json")
+    d = EtcdDirectory(etcd.endpoint)
+    with pytest.raises(BadRequestError, match="shm_name"):
+        d.lookup("evil")
+    assert "evil" not in [x.name for x in d.list()]
+    c.delete_prefix(b"/kvpool/segments/")
 
 
 def test_etcd_entries_die_with_their_owner_lease(etcd):
@@ -99,9 +144,11 @@ def test_engines_find_each_other_through_etcd(etcd, engine_factory):
 
 
 def test_http_service_validates_input_and_expires_entries(metadata):
-    def call(method, path, body=None):
+    def call(method, path, body=None, key="k" * 32):
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(metadata.url + path, data=data, method=method)
+        if key:
+            req.add_header(OWNER_KEY_HEADER, key)
         try:
             with urllib.request.urlopen(req, timeout=5) as r:
                 return r.status, json.loads(r.read())
@@ -116,8 +163,16 @@ def test_http_service_validates_input_and_expires_entries(metadata):
     assert code == 400
     assert call("GET", "/v1/segments/nope")[0] == 404
     assert call("GET", "/nothing")[0] == 404
-    assert call("DELETE", "/v1/segments/x?owner=o1")[0] == 404
+    assert call("DELETE", "/v1/segments/x")[0] == 404
+    for field, value in [("shm_name", "../../etc/passwd"), ("shm_name", "/etc/passwd"),
+                         ("shm_name", "kvpool-1-abcdef01-x/../../y"), ("host", "10.99.1.2"),
+                         ("host", "evil host"), ("segment_id", 2**40), ("owner_id", "")]:  # fmt: skip
+        code, body = call("PUT", "/v1/segments/x", {**desc("x").to_dict(), field: value})
+        assert code == 400 and field in body["error"]["message"], (field, value, body)
+    assert call("PUT", "/v1/segments/x", desc("x").to_dict(), key=None)[0] == 400  # no key
     assert call("PUT", "/v1/segments/x", {**desc("x").to_dict(), "ttl": 0.3})[0] == 201
+    assert call("GET", "/v1/segments/x")[0] == 200
+    assert call("DELETE", "/v1/segments/x", key="z" * 32)[0] == 404  # another owner key
     assert call("GET", "/v1/segments/x")[0] == 200
     time.sleep(0.5)
     assert call("GET", "/v1/segments/x")[0] == 404  # not renewed: gone
@@ -127,12 +182,27 @@ def test_http_service_validates_input_and_expires_entries(metadata):
 def test_http_service_token():
     with MetadataServer(token="tok") as server:
         with pytest.raises(KVPoolError, match="401"):
-            HttpDirectory(server.url).publish(desc("t"))
+            HttpDirectory(server.url, token="").publish(desc("t"))
+        with pytest.raises(KVPoolError, match="401"):
+            HttpDirectory(server.url, token="other").publish(desc("t"))
         ok = HttpDirectory(server.url, token="tok")
         ok.publish(desc("t"))
         assert ok.lookup("t") is not None
+        req = urllib.request.Request(f"{server.url}/v1/segments",
+                                     headers={"Authorization": "Bearer tok"})  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=5)  # the raw token is not the bearer
+        assert info.value.code == 401
     with pytest.raises(ValueError):
         MetadataServer(host="0.0.0.0")
+
+
+def test_descriptor_hosts_must_be_the_publisher():
+    assert host_matches("127.0.0.1", "127.0.0.1") and host_matches("localhost", "127.0.0.1")
+    assert host_matches("10.0.0.5", "10.0.0.5")
+    assert not host_matches("10.0.0.5", "10.0.0.6")  # another host's name
+    assert not host_matches("10.99.1.2", "127.0.0.1")  # from loopback: our addresses only
+    assert not host_matches("no-such-host.invalid", "127.0.0.1")
 
 
 def test_open_directory_urls(metadata):

@@ -143,11 +143,18 @@ def test_auth_token_is_checked_in_the_handshake(engine_factory):
     owner = engine_factory(auth_token="s3cret")
     owner.register("secure/kv", size=4096)
     stranger = engine_factory(transport="tcp", auth_token="wrong")
+    with pytest.raises(TransferError, match="could not prove it holds the cluster token"):
+        stranger.read(np.zeros(8, np.uint8), "secure/kv")  # it does not trust the owner
+    anonymous = engine_factory(transport="tcp")
     with pytest.raises(TransferError, match="authentication failed"):
-        stranger.read(np.zeros(8, np.uint8), "secure/kv")
+        anonymous.read(np.zeros(8, np.uint8), "secure/kv")  # the owner does not trust it
     friend = engine_factory(transport="tcp", auth_token="s3cret")
     assert friend.read(np.zeros(8, np.uint8), "secure/kv") == 8
     assert owner.stats.snapshot().errors["auth"] == 1
+    open_owner = engine_factory()
+    open_owner.register("open/kv", size=4096)
+    with pytest.raises(TransferError, match="runs without one"):
+        friend.read(np.zeros(8, np.uint8), "open/kv")  # a client with a token wants proof
 
 
 def test_non_loopback_bind_requires_a_token(monkeypatch):

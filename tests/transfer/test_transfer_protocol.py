@@ -100,8 +100,34 @@ def test_byte_view_accepts_buffers_and_tensors():
 
 
 def test_descriptor_round_trip_and_validation():
-    d = SegmentDescriptor("n", 1, "h", 2, 3, "o", 4, "b", "shm")
+    d = SegmentDescriptor("n", 1, "h", 2, 3, "o", 4, "b", new_shm_name("n"))
     assert SegmentDescriptor.from_dict(d.to_dict()) == d
     assert SegmentDescriptor.from_dict({**d.to_dict(), "extra": 1}) == d
     with pytest.raises(BadRequestError):
         SegmentDescriptor.from_dict({"name": "n"})
+    with pytest.raises(BadRequestError):
+        SegmentDescriptor.from_dict(["not", "a", "map"])
+    for field, value in [("shm_name", "../x"), ("shm_name", "/dev/shm/kvpool-1-00000000-a"),
+                         ("shm_name", "kvpool-1-00000000-a/b"), ("shm_name", "other-file"),
+                         ("size", 0), ("size", True), ("port", 70000), ("segment_id", 0),
+                         ("pid", -1), ("host", "a b"), ("host", ""), ("boot_id", "x" * 65),
+                         ("name", "a\0b"), ("name", 7)]:  # fmt: skip
+        with pytest.raises(BadRequestError, match=field):
+            SegmentDescriptor.from_dict({**d.to_dict(), field: value})
+
+
+def test_peers_map_only_plain_shm_files_of_their_own_user(tmp_path):
+    """A forged descriptor cannot make a peer map a symlink, a directory or a path."""
+
+    target = tmp_path / "victim.txt"
+    target.write_bytes(b"secret" * 1000)
+    link = new_shm_name("evil")
+    os.symlink(target, os.path.join(SHM_DIR, link))
+    try:
+        with pytest.raises(BadRequestError, match="cannot open"):
+            SharedRegion(link, 4096, create=False)  # O_NOFOLLOW
+    finally:
+        os.unlink(os.path.join(SHM_DIR, link))
+    for name in ["../../etc/passwd", str(target)]:
+        with pytest.raises(BadRequestError, match="not a kvpool shared-memory name"):
+            SharedRegion(name, 4096, create=False)

@@ -18,6 +18,7 @@ import threading
 
 import numpy as np
 
+from kvpool.common.auth import add_token_args
 from kvpool.config import TransferConfig, parse_size
 
 
@@ -27,15 +28,12 @@ def pattern(seed: int, size: int) -> np.ndarray:
 
 
 def _metadata(args: argparse.Namespace) -> int:
-    import os
-
     from kvpool.common.log import setup_logging
     from kvpool.transfer.metadata_server import MetadataServer
 
     setup_logging(args.log_level)
-    token = os.environ.get("KVPOOL_AUTH_TOKEN") or None
     try:
-        server = MetadataServer(args.host, args.port, token)
+        server = MetadataServer(args.host, args.port)  # the token: from the environment
     except (ValueError, OSError) as exc:
         print(f"kvpool transfer metadata: {exc}", file=sys.stderr)
         return 1
@@ -116,6 +114,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     m.add_argument("--host", default="127.0.0.1")
     m.add_argument("--port", type=int, default=7070)
     m.add_argument("--log-level", default="info")
+    add_token_args(m)
     m.set_defaults(func=_metadata)
     q = sub.add_parser("peer", help="register one segment and serve it")
     q.add_argument("--segment", required=True, help="cluster-wide segment name")
@@ -126,4 +125,5 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--no-shm", action="store_true", help="plain memory: reachable over TCP only")
     q.add_argument("--metrics-port", type=int, default=None)
     q.add_argument("--log-level", default="warning")
+    add_token_args(q)
     q.set_defaults(func=_peer)

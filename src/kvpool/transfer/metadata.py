@@ -9,27 +9,37 @@ One interface, three backends, chosen by URL (``TransferConfig.directory``):
   when its lease expires.
 
 Owners keep their entries alive (the HTTP service and etcd drop entries not renewed within
-``ttl``); a name held by another live owner is refused with ``AlreadyExistsError``.
+``ttl``); a name held by another live owner is refused with ``AlreadyExistsError``, and the
+name of a dead owner (a restarted worker's) is handed over. Each directory client has a secret
+*owner key*: only the holder of the key an entry was published with may renew, replace or
+withdraw it (the owner id is public: it travels in every descriptor). Descriptors are
+validated when published and when read (``SegmentDescriptor.from_dict``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
+import secrets
 import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
+from kvpool.common import auth
 from kvpool.common.errors import AlreadyExistsError, BadRequestError, KVPoolError
 from kvpool.common.etcd import EtcdClient, EtcdError
-from kvpool.transfer.segment import SegmentDescriptor
+from kvpool.transfer.segment import SegmentDescriptor, owner_is_dead
 
 logger = logging.getLogger(__name__)
 
 ETCD_PREFIX = b"/kvpool/segments/"
+OWNER_KEY_HEADER = "X-KVPool-Owner-Key"
 
 
 class SegmentDirectory(ABC):
@@ -37,6 +47,7 @@ class SegmentDirectory(ABC):
 
     def __init__(self, ttl: float = 10.0) -> None:
         self.ttl = ttl
+        self.owner_key = secrets.token_hex(16)  # proves our entries are ours (never listed)
         self._own: dict[str, SegmentDescriptor] = {}
         self._own_lock = threading.Lock()
         self._stop = threading.Event()
@@ -53,10 +64,6 @@ class SegmentDirectory(ABC):
             desc = self._own.pop(name, None)
         if desc is not None:
             self._delete(desc)
-
-    def evict(self, desc: SegmentDescriptor) -> None:
-        """Remove another owner's entry (only if ``desc``'s owner still holds the name)."""
-        self._delete(desc)
 
     @abstractmethod
     def lookup(self, name: str) -> SegmentDescriptor | None: ...
@@ -103,26 +110,46 @@ class SegmentDirectory(ABC):
             return list(self._own.values())
 
 
+def _key_digest(owner_key: str) -> bytes:
+    return hashlib.sha256(owner_key.encode()).digest()
+
+
 class DescriptorTable:
-    """Descriptors by name, one owner per name (the in-process store and the HTTP service's)."""
+    """Descriptors by name, one owner per name (the in-process store and the HTTP service's).
 
-    def __init__(self) -> None:
-        self._entries: dict[str, tuple[SegmentDescriptor, float]] = {}
+    An entry remembers the digest of its owner key; ``put`` and ``delete`` need the same key.
+    A name held by another owner is handed over only if ``is_dead(old descriptor)``.
+    """
+
+    def __init__(self, is_dead: Callable[[SegmentDescriptor], bool] = owner_is_dead) -> None:
+        self._entries: dict[str, tuple[SegmentDescriptor, bytes, float]] = {}
         self._lock = threading.Lock()
+        self._is_dead = is_dead
 
-    def put(self, desc: SegmentDescriptor, ttl: float | None = None) -> None:
+    def put(self, desc: SegmentDescriptor, owner_key: str, ttl: float | None = None) -> None:
         """Insert or renew; ``AlreadyExistsError`` if another live owner holds the name."""
+        digest = _key_digest(owner_key)
         with self._lock:
-            old = self._live(desc.name)
-            if old is not None and old.owner_id != desc.owner_id:
+            old = self._entries.get(desc.name) if self._live(desc.name) else None
+        if old is not None and not hmac.compare_digest(old[1], digest):
+            # not the same owner key: taken over only from a dead owner (checked unlocked:
+            # it may dial the old owner)
+            if old[0].owner_id == desc.owner_id or not self._is_dead(old[0]):
                 raise AlreadyExistsError(f"segment {desc.name!r} is already registered")
-            expires = float("inf") if ttl is None else time.monotonic() + ttl
-            self._entries[desc.name] = (desc, expires)
-
-    def delete(self, name: str, owner_id: str) -> bool:
+            logger.info("segment %s: owner %s is gone; handed to %s", desc.name,
+                        old[0].owner_id, desc.owner_id)  # fmt: skip
+        expires = float("inf") if ttl is None else time.monotonic() + ttl
         with self._lock:
-            old = self._live(name)
-            if old is None or old.owner_id != owner_id:
+            cur = self._entries.get(desc.name) if self._live(desc.name) else None
+            if cur is not None and cur[1] != digest and (old is None or cur[1] != old[1]):
+                raise AlreadyExistsError(f"segment {desc.name!r} is already registered")
+            self._entries[desc.name] = (desc, digest, expires)
+
+    def delete(self, name: str, owner_key: str) -> bool:
+        """Withdraw ``name`` if ``owner_key`` is the one it was published with."""
+        with self._lock:
+            entry = self._entries.get(name) if self._live(name) else None
+            if entry is None or not hmac.compare_digest(entry[1], _key_digest(owner_key)):
                 return False
             del self._entries[name]
             return True
@@ -139,7 +166,7 @@ class DescriptorTable:
         entry = self._entries.get(name)
         if entry is None:
             return None
-        if entry[1] < time.monotonic():
+        if entry[2] < time.monotonic():
             del self._entries[name]
             return None
         return entry[0]
@@ -156,10 +183,10 @@ class InProcessDirectory(SegmentDirectory):
         self._table = table if table is not None else _PROCESS_TABLE
 
     def _put(self, desc: SegmentDescriptor) -> None:
-        self._table.put(desc)
+        self._table.put(desc, self.owner_key)
 
     def _delete(self, desc: SegmentDescriptor) -> None:
-        self._table.delete(desc.name, desc.owner_id)
+        self._table.delete(desc.name, self.owner_key)
 
     def lookup(self, name: str) -> SegmentDescriptor | None:
         return self._table.get(name)
@@ -169,7 +196,8 @@ class InProcessDirectory(SegmentDirectory):
 
 
 class HttpDirectory(SegmentDirectory):
-    """Client of the HTTP metadata service (``kvpool transfer metadata``)."""
+    """Client of the HTTP metadata service (``kvpool transfer metadata``); ``token``: the
+    cluster token (None: from the environment), sent as the derived internal bearer."""
 
     def __init__(
         self, base_url: str, ttl: float = 10.0, token: str | None = None, timeout: float = 5.0
@@ -177,14 +205,16 @@ class HttpDirectory(SegmentDirectory):
         super().__init__(ttl)
         self.base = base_url.rstrip("/")
         self.timeout = timeout
-        self.token = token
+        token = auth.cluster_token(token)
+        self._bearer = auth.internal_bearer(token) if token else None
 
     def _request(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.base + path, data=data, method=method)
         req.add_header("Content-Type", "application/json")
-        if self.token:
-            req.add_header("Authorization", f"Bearer {self.token}")
+        req.add_header(OWNER_KEY_HEADER, self.owner_key)
+        if self._bearer:
+            req.add_header("Authorization", f"Bearer {self._bearer}")
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                 return resp.status, json.loads(resp.read() or b"{}")
@@ -206,11 +236,11 @@ class HttpDirectory(SegmentDirectory):
         if code == 409:
             raise AlreadyExistsError(f"segment {desc.name!r} is already registered")
         if code >= 300:
-            raise KVPoolError(f"metadata service refused {desc.name!r}: HTTP {code} {body}")
+            why = (body.get("error") or {}).get("message", "") if isinstance(body, dict) else ""
+            raise KVPoolError(f"metadata service refused {desc.name!r}: HTTP {code} {why}")
 
     def _delete(self, desc: SegmentDescriptor) -> None:
-        owner = urllib.parse.quote(desc.owner_id)
-        self._request("DELETE", f"{self._path(desc.name)}?owner={owner}")
+        self._request("DELETE", self._path(desc.name))
 
     def _refresh(self) -> None:
         for desc in self._own_descriptors():
@@ -250,15 +280,19 @@ class EtcdDirectory(SegmentDirectory):
         lease = self._lease_id()
         if self.etcd.create(key, value, lease):
             return
-        old = self.etcd.get(key)
-        if old is not None and json.loads(old).get("owner_id") != desc.owner_id:
-            raise AlreadyExistsError(f"segment {desc.name!r} is already registered")
+        raw = self.etcd.get(key)
+        old = _parse(raw) if raw is not None else None
+        if old is not None and old.owner_id != desc.owner_id:
+            if not owner_is_dead(old):
+                raise AlreadyExistsError(f"segment {desc.name!r} is already registered")
+            logger.info("segment %s: owner %s is gone; taking over", desc.name, old.owner_id)
         self.etcd.put(key, value, lease)
 
     def _delete(self, desc: SegmentDescriptor) -> None:
         key = ETCD_PREFIX + desc.name.encode()
-        old = self.etcd.get(key)
-        if old is not None and json.loads(old).get("owner_id") == desc.owner_id:
+        raw = self.etcd.get(key)
+        old = _parse(raw) if raw is not None else None
+        if old is not None and old.owner_id == desc.owner_id:
             self.etcd.delete(key)
 
     def _refresh(self) -> None:
@@ -273,12 +307,10 @@ class EtcdDirectory(SegmentDirectory):
 
     def lookup(self, name: str) -> SegmentDescriptor | None:
         raw = self.etcd.get(ETCD_PREFIX + name.encode())
-        return None if raw is None else SegmentDescriptor.from_dict(json.loads(raw))
+        return None if raw is None else _parse(raw, strict=True)
 
     def list(self) -> list[SegmentDescriptor]:
-        return [
-            SegmentDescriptor.from_dict(json.loads(v)) for _, v in self.etcd.get_prefix(ETCD_PREFIX)
-        ]
+        return [d for _, v in self.etcd.get_prefix(ETCD_PREFIX) if (d := _parse(v)) is not None]
 
     def close(self) -> None:
         super().close()
@@ -289,6 +321,18 @@ class EtcdDirectory(SegmentDirectory):
                 self.etcd.lease_revoke(lease)
             except EtcdError as exc:
                 logger.debug("directory: lease revoke failed: %s", exc)
+
+
+def _parse(raw: bytes, strict: bool = False) -> SegmentDescriptor | None:
+    """A descriptor stored in etcd (anyone who reaches etcd can write there: validated);
+    an invalid one is skipped, or with ``strict`` an error."""
+    try:
+        return SegmentDescriptor.from_dict(json.loads(raw))
+    except (ValueError, BadRequestError) as exc:
+        if strict:
+            raise BadRequestError(f"invalid segment descriptor in etcd: {exc}") from None
+        logger.warning("directory: skipping an invalid descriptor in etcd: %s", exc)
+        return None
 
 
 def open_directory(url: str, ttl: float = 10.0, token: str | None = None) -> SegmentDirectory:

@@ -1,33 +1,54 @@
 """The HTTP metadata service: a segment directory for hosts without etcd.
 
 ``PUT /v1/segments/<name>`` (JSON descriptor + ``ttl``; 409 if another owner holds the name),
-``GET /v1/segments/<name>`` (404 when absent), ``DELETE /v1/segments/<name>?owner=<id>``,
+``GET /v1/segments/<name>`` (404 when absent), ``DELETE /v1/segments/<name>``,
 ``GET /v1/segments`` (all), ``GET /health``. Errors are JSON ``{"error": {...}}``. Entries not
-renewed within their ttl disappear. Standard-library HTTP server: one thread per request.
+renewed within their ttl disappear. Standard-library HTTP server: one thread per request (at
+most ``MAX_THREADS``; a request must arrive whole within ``REQUEST_TIMEOUT``).
+
+With a cluster token every call but ``/health`` needs ``Authorization: Bearer <internal
+bearer>`` (derived from the token: ``auth.internal_bearer``). PUT and DELETE carry the
+publisher's owner key (``X-KVPool-Owner-Key``): only that key renews, replaces or withdraws
+the entry. A published descriptor's host must be the address the request came from (or, from
+loopback, an address of this host), so nobody publishes a segment in another host's name.
 """
 
 from __future__ import annotations
 
+import functools
+import ipaddress
 import json
 import logging
+import secrets
+import socket
 import threading
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from kvpool.common.errors import AlreadyExistsError, BadRequestError, KVPoolError, NotFoundError
+from kvpool.common import auth
+from kvpool.common.errors import (
+    AlreadyExistsError,
+    AuthError,
+    BadRequestError,
+    KVPoolError,
+    NotFoundError,
+)
 from kvpool.common.net import is_loopback
-from kvpool.transfer.metadata import DescriptorTable
+from kvpool.transfer.metadata import OWNER_KEY_HEADER, DescriptorTable
 from kvpool.transfer.segment import SegmentDescriptor
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY = 64 << 10
+MAX_THREADS = 64
+REQUEST_TIMEOUT = 10.0
 PREFIX = "/v1/segments"
 
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
+    timeout = REQUEST_TIMEOUT  # a slow or silent client is dropped
 
     def log_message(self, fmt: str, *args) -> None:
         logger.debug("metadata %s: " + fmt, self.client_address[0], *args)
@@ -42,21 +63,27 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _handle(self, fn) -> None:
         try:
-            self._authorize()
+            if urllib.parse.urlsplit(self.path).path != "/health":
+                self._authorize()
             code, body = fn()
         except KVPoolError as exc:
             code, body = exc.http_status, exc.to_openai()
-        except Exception as exc:  # never let one request kill the service
+        except Exception:  # never let one request kill the service
             logger.exception("metadata service: %s %s failed", self.command, self.path)
-            code, body = 500, KVPoolError(f"internal error: {exc}").to_openai()
+            code, body = 500, KVPoolError("internal error").to_openai()
         self._send(code, body)
 
     def _authorize(self) -> None:
-        token = self.server.token
-        if token and self.headers.get("Authorization") != f"Bearer {token}":
-            err = KVPoolError("missing or wrong bearer token")
-            err.http_status = 401
-            raise err
+        expected = self.server.bearer
+        given = self.headers.get("Authorization", "")
+        if expected and not secrets.compare_digest(given.encode(), f"Bearer {expected}".encode()):
+            raise AuthError("missing or wrong bearer token (the cluster token's internal bearer)")
+
+    def _owner_key(self) -> str:
+        key = self.headers.get(OWNER_KEY_HEADER, "")
+        if not 16 <= len(key) <= 128:
+            raise BadRequestError(f"{OWNER_KEY_HEADER} must be 16..128 characters")
+        return key
 
     def _name(self) -> tuple[str, dict]:
         url = urllib.parse.urlsplit(self.path)
@@ -89,9 +116,13 @@ class _Handler(BaseHTTPRequestHandler):
             desc = SegmentDescriptor.from_dict(body)
             if desc.name != name:
                 raise BadRequestError("descriptor name differs from the URL")
-            _check_types(desc)
+            if not host_matches(desc.host, self.client_address[0]):
+                raise BadRequestError(
+                    f"descriptor host {desc.host!r} is not the address this request came from",
+                    param="host",
+                )
             try:
-                self.server.table.put(desc, ttl)
+                self.server.table.put(desc, self._owner_key(), ttl)
             except AlreadyExistsError as exc:
                 return 409, exc.to_openai()
             return 201, {"status": "ok"}
@@ -100,10 +131,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_DELETE(self) -> None:
         def delete():
-            name, query = self._name()
-            owner = (query.get("owner") or [""])[0]
-            if not self.server.table.delete(name, owner):
-                raise NotFoundError(f"segment {name!r} not registered by owner {owner!r}")
+            name, _ = self._name()
+            if not self.server.table.delete(name, self._owner_key()):
+                raise NotFoundError(f"segment {name!r} is not registered with this owner key")
             return 200, {"status": "ok"}
 
         self._handle(delete)
@@ -124,14 +154,37 @@ class _Handler(BaseHTTPRequestHandler):
         return body
 
 
-def _check_types(desc: SegmentDescriptor) -> None:
-    for field, kind in (("size", int), ("port", int), ("segment_id", int), ("pid", int)):
-        value = getattr(desc, field)
-        if not isinstance(value, kind) or isinstance(value, bool) or value < 0:
-            raise BadRequestError(f"descriptor field {field} must be a non-negative integer")
-    for field in ("name", "host", "owner_id", "boot_id"):
-        if not isinstance(getattr(desc, field), str) or not getattr(desc, field):
-            raise BadRequestError(f"descriptor field {field} must be a non-empty string")
+def host_matches(host: str, peer: str) -> bool:
+    """Whether a descriptor naming ``host`` may come from ``peer`` (an IP address): ``host``
+    resolves to ``peer``, or ``peer`` is this host (loopback) and ``host`` is one of its own."""
+    addresses = _resolve(host)
+    if peer in addresses:
+        return True
+    return is_loopback(peer) and bool(addresses) and all(map(_is_local, addresses))
+
+
+def _resolve(host: str) -> frozenset[str]:
+    try:
+        return frozenset({str(ipaddress.ip_address(host))})
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return frozenset()
+    return frozenset(str(info[4][0]) for info in infos)
+
+
+@functools.lru_cache(maxsize=256)
+def _is_local(ip: str) -> bool:
+    """Whether ``ip`` is an address of this host (it can be bound)."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((ip, 0))
+    except OSError:
+        return False
+    return True
 
 
 class _Server(ThreadingHTTPServer):
@@ -140,13 +193,29 @@ class _Server(ThreadingHTTPServer):
     def __init__(self, addr: tuple[str, int], token: str | None) -> None:
         super().__init__(addr, _Handler)
         self.table = DescriptorTable()
-        self.token = token
+        self.bearer = auth.internal_bearer(token) if token else None
+        self._slots = threading.BoundedSemaphore(MAX_THREADS)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):  # too many at once: refuse this one
+            logger.warning("metadata service: %d requests at once; refusing one", MAX_THREADS)
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class MetadataServer:
-    """Runs the service on a background thread; ``url`` is what engines put in ``directory``."""
+    """Runs the service on a background thread; ``url`` is what engines put in ``directory``.
+    ``token``: the cluster token (None: from the environment, ``""``: open, loopback only)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> None:
+        token = auth.cluster_token(token)
         if not is_loopback(host) and not token:
             raise ValueError(f"binding {host} (not loopback) requires KVPOOL_AUTH_TOKEN")
         self._server = _Server((host, port), token)

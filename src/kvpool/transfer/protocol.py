@@ -1,7 +1,13 @@
 """The transfer engine's TCP wire format (little-endian, fixed headers, validated bounds).
 
-Connection: the client sends ``HELLO`` (magic, version, token length, token); the server
-answers ``WELCOME`` (magic, status) and closes the connection unless the status is OK.
+Connection (a challenge-response that never sends the token): the client sends ``HELLO``
+(magic, version, its nonce); the server answers ``CHALLENGE`` (magic, status, whether it wants
+a proof, its nonce, and its own proof ``HMAC(key, "server|" + client nonce + "|" + server
+nonce)``, zeros when it runs without a token); a client holding the token checks that proof
+and refuses a server that cannot give it, then sends ``PROOF`` (``HMAC(key, "client|" + server
+nonce + "|" + client nonce)``, zeros without a token); the server answers ``WELCOME`` (magic,
+status) and closes the connection unless the status is OK. ``key`` is derived from the cluster
+token (``auth.TRANSFER``). The whole handshake must finish within ``HANDSHAKE_TIMEOUT``.
 
 Then the client sends request frames, a 32-byte header each, a WRITE's payload right after its
 header. Frames are sent in trains; the last frame of a train carries ``FLAG_END``, which tells
@@ -15,15 +21,19 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from enum import IntEnum
 
 MAGIC = b"KVTE"
-VERSION = 1
-MAX_TOKEN_BYTES = 1024
+VERSION = 2
 MAX_FRAME_BYTES = 64 << 20  # one frame never carries more; the client slices larger requests
+HANDSHAKE_TIMEOUT = 5.0
 
-HELLO = struct.Struct("<4sHH")  # magic, version, token length (token bytes follow)
+HELLO = struct.Struct("<4sHH16s")  # magic, version, reserved, client nonce
+CHALLENGE = struct.Struct("<4sBB2x16s32s")  # magic, status, proof wanted, nonce, server proof
+PROOF = struct.Struct("<32s")  # the client's proof
 WELCOME = struct.Struct("<4sB3x")  # magic, status
+NO_PROOF = bytes(32)
 REQUEST = struct.Struct("<BBHIQQQ")  # op, flags, reserved, segment id, request id, offset, length
 RESPONSE = struct.Struct("<BBHIQQ")  # status, op, reserved, detail, request id, length
 
@@ -66,6 +76,22 @@ def parse_request(header: bytes | bytearray | memoryview) -> tuple[int, int, int
     if length == 0 or length > MAX_FRAME_BYTES:
         raise FrameError(f"frame length {length} not in [1, {MAX_FRAME_BYTES}]")
     return op, flags, seg_id, req_id, offset, length
+
+
+def recv_before(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes, all of them before ``deadline`` (``time.monotonic()``): a peer that
+    trickles its handshake cannot hold a connection longer than that."""
+    out = bytearray()
+    while len(out) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("handshake took too long")
+        sock.settimeout(left)
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise ConnectionError("peer closed the connection")
+        out += chunk
+    return bytes(out)
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:

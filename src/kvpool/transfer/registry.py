@@ -5,12 +5,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import threading
 
 import numpy as np
 
-from kvpool.common.errors import AlreadyExistsError, BadRequestError, NotFoundError
+from kvpool.common.errors import BadRequestError, NotFoundError
 from kvpool.transfer.metadata import SegmentDirectory
 from kvpool.transfer.segment import (
     Segment,
@@ -19,7 +18,6 @@ from kvpool.transfer.segment import (
     boot_id,
     byte_view,
     new_shm_name,
-    pid_alive,
 )
 
 logger = logging.getLogger(__name__)
@@ -61,7 +59,7 @@ class SegmentRegistry:
             if path is not None:  # a file (e.g. on an SSD) mapped like shared memory
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
-                region = SharedRegion(os.path.abspath(path), size, create=True)
+                region = SharedRegion(None, size, create=True, path=os.path.abspath(path))
                 view = memoryview(region.mmap)
             elif shared:
                 region = SharedRegion(new_shm_name(name), size, create=True)
@@ -91,16 +89,8 @@ class SegmentRegistry:
         return seg
 
     def _publish(self, desc: SegmentDescriptor) -> None:
-        """Publish; take the name over if its previous owner is dead (a restarted worker)."""
-        try:
-            self.directory.publish(desc)
-            return
-        except AlreadyExistsError:
-            old = self.directory.lookup(desc.name)
-            if old is None or not owner_is_dead(old):
-                raise
-        logger.info("segment %s: previous owner %s is gone, taking over", desc.name, old.owner_id)
-        self.directory.evict(old)
+        """Publish (the directory hands the name over if its previous owner is dead: a
+        restarted worker takes its name back)."""
         self.directory.publish(desc)
 
     def unregister(self, name: str) -> None:
@@ -146,17 +136,3 @@ class SegmentRegistry:
             segments = list(self._by_id.values())
         for seg in segments:
             self._drop(seg)
-
-
-def owner_is_dead(desc: SegmentDescriptor, timeout: float = 1.0) -> bool:
-    """Whether the process that published ``desc`` is gone (same host: its pid; otherwise its
-    transfer server refuses connections)."""
-    if desc.boot_id == boot_id():
-        return not pid_alive(desc.pid)
-    try:
-        socket.create_connection((desc.host, desc.port), timeout=timeout).close()
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False  # unreachable is not dead: a network problem must not steal names
-    return False

@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import re
 import socket
+import stat
 import uuid
 from dataclasses import asdict, dataclass
 
@@ -21,6 +23,11 @@ from kvpool.common.errors import BadRequestError
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "kvpool-"
+# what new_shm_name makes: a plain file name inside SHM_DIR, nothing that could leave it
+SHM_NAME = re.compile(r"kvpool-[0-9]{1,10}-[0-9a-f]{8}-[A-Za-z0-9_-]{0,40}")
+_HOST = re.compile(r"[A-Za-z0-9._:%-]{1,255}")
+_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+MAX_SEGMENT_BYTES = 1 << 50
 
 
 def boot_id() -> str:
@@ -50,30 +57,72 @@ class SegmentDescriptor:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> SegmentDescriptor:
+    def from_dict(cls, data: object) -> SegmentDescriptor:
+        """A validated descriptor (``BadRequestError`` for anything a peer should not trust:
+        a shm name that is not a plain kvpool file name, a size or id out of range, ...)."""
+        if not isinstance(data, dict):
+            raise BadRequestError("malformed segment descriptor: not an object")
         try:
-            return cls(**{f: data[f] for f in cls.__dataclass_fields__ if f in data})
+            desc = cls(**{f: data[f] for f in cls.__dataclass_fields__ if f in data})
         except TypeError as exc:
             raise BadRequestError(f"malformed segment descriptor: {exc}") from exc
+        desc.validate()
+        return desc
+
+    def validate(self) -> None:
+        def bad(field: str, why: str) -> BadRequestError:
+            return BadRequestError(f"segment descriptor field {field} {why}", param=field)
+
+        for field, lo, hi in (("size", 1, MAX_SEGMENT_BYTES), ("port", 0, 65535),
+                              ("segment_id", 1, 2**32 - 1), ("pid", 1, 2**31 - 1)):  # fmt: skip
+            v = getattr(self, field)
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise bad(field, f"must be an integer in [{lo}, {hi}]")
+        if not isinstance(self.name, str) or not 0 < len(self.name) <= 255 or "\0" in self.name:
+            raise bad("name", "must be 1..255 characters, no NUL")
+        if not isinstance(self.host, str) or not _HOST.fullmatch(self.host):
+            raise bad("host", "must be a host name or an IP address")
+        for field in ("owner_id", "boot_id"):
+            if not isinstance(getattr(self, field), str) or not _ID.fullmatch(getattr(self, field)):
+                raise bad(field, "must be 1..64 letters, digits, '-', '_' or '.'")
+        if self.shm_name is not None and not (
+            isinstance(self.shm_name, str) and SHM_NAME.fullmatch(self.shm_name)
+        ):
+            raise bad("shm_name", f"must be a plain kvpool shared-memory name in {SHM_DIR}")
 
 
 class SharedRegion:
-    """A ``/dev/shm`` file mapped into this process (created by its owner, opened by peers)."""
+    """A file mapped into this process: a ``/dev/shm/<shm_name>`` created by its owner and
+    opened by same-host peers, or (``path``) a file of the owner's own, such as an SSD tier,
+    which peers reach over TCP only.
 
-    def __init__(self, shm_name: str, size: int, *, create: bool) -> None:
+    A peer opens only a plain kvpool name inside ``/dev/shm`` (no path, no symlink), and only
+    a regular file of its own user, so a forged descriptor cannot make it map another file.
+    """
+
+    def __init__(self, shm_name: str | None, size: int, *, create: bool,
+                 path: str | None = None) -> None:  # fmt: skip
         if size <= 0:
             raise BadRequestError("a shared segment needs a size > 0")
-        self.shm_name = shm_name
+        if path is None and not (isinstance(shm_name, str) and SHM_NAME.fullmatch(shm_name)):
+            raise BadRequestError(f"not a kvpool shared-memory name: {shm_name!r}")
+        self.shm_name = shm_name if path is None else None
+        self.path = path or os.path.join(SHM_DIR, shm_name)  # type: ignore[arg-type]
         self.size = size
         self.owner = create
-        path = os.path.join(SHM_DIR, shm_name)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
         try:
+            fd = os.open(self.path, flags, 0o600)
+        except OSError as exc:
+            raise BadRequestError(f"cannot open segment file {self.path}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not create and (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()):
+                raise BadRequestError(f"{self.path} is not a regular file of this user")
             if create:
                 os.ftruncate(fd, size)
-            elif os.fstat(fd).st_size < size:
-                raise BadRequestError(f"shared segment {shm_name} is smaller than {size} bytes")
+            elif st.st_size < size:
+                raise BadRequestError(f"shared segment {self.path} is smaller than {size} bytes")
             self.mmap = mmap.mmap(fd, size)
         finally:
             os.close(fd)
@@ -87,7 +136,7 @@ class SharedRegion:
             self.mmap.close()
         if self.owner:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, self.shm_name))
+                os.unlink(self.path)
 
 
 def new_shm_name(segment_name: str) -> str:
@@ -113,6 +162,20 @@ def reap_stale_shm() -> int:
             except OSError:
                 pass
     return removed
+
+
+def owner_is_dead(desc: SegmentDescriptor, timeout: float = 1.0) -> bool:
+    """Whether the process that published ``desc`` is gone (same host: its pid; otherwise its
+    transfer server refuses connections)."""
+    if desc.boot_id == boot_id():
+        return not pid_alive(desc.pid)
+    try:
+        socket.create_connection((desc.host, desc.port), timeout=timeout).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False  # unreachable is not dead: a network problem must not steal names
+    return False
 
 
 def pid_alive(pid: int) -> bool:

@@ -14,7 +14,8 @@ import socket
 import threading
 import time
 
-from kvpool.common.errors import KVPoolError, KVPoolTimeoutError, TransferError
+from kvpool.common import auth
+from kvpool.common.errors import AuthError, KVPoolError, KVPoolTimeoutError, TransferError
 from kvpool.transfer import protocol as P
 from kvpool.transfer.request import BatchHandle, PendingOp
 from kvpool.transfer.segment import SegmentDescriptor
@@ -45,8 +46,8 @@ class TcpTransport(Transport):
         want = min(self.ctx.config.num_streams, max(1, sliced + 1))
         try:
             conns = self._connections(peer, want, budget)
-        except (OSError, TransferError) as exc:
-            self.ctx.stats.error("connect")
+        except (OSError, TransferError, AuthError) as exc:
+            self.ctx.stats.error("auth" if isinstance(exc, AuthError) else "connect")
             err: KVPoolError = TransferError(
                 f"cannot reach transfer peer {peer[0]}:{peer[1]}: {exc or type(exc).__name__}"
             )
@@ -125,7 +126,7 @@ class TcpTransport(Transport):
         for _ in range(max(0, missing)):
             try:
                 fresh.append(self._dial(peer, timeout))
-            except (OSError, TransferError):
+            except (OSError, TransferError, AuthError):
                 if not conns and not fresh:
                     raise
                 logger.info("transfer: extra connection to %s:%s failed; striping less", *peer)
@@ -143,18 +144,37 @@ class TcpTransport(Transport):
         sock = socket.create_connection(peer, timeout=timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            token = (cfg.auth_token or "").encode()
-            sock.sendall(P.HELLO.pack(P.MAGIC, P.VERSION, len(token)) + token)
-            reply = bytearray(P.WELCOME.size)
-            P.recv_exact(sock, memoryview(reply))
-            magic, status = P.WELCOME.unpack(reply)
-            if magic != P.MAGIC:
-                raise TransferError(f"{peer[0]}:{peer[1]} is not a kvpool transfer server")
-            if status != P.Status.OK:
-                text = P.STATUS_TEXT.get(status, str(status))  # type: ignore[call-overload]
-                raise TransferError(f"{peer[0]}:{peer[1]} refused the handshake: {text}")
+            self._handshake(sock, f"{peer[0]}:{peer[1]}", time.monotonic() + max(timeout, 1.0))
             sock.settimeout(None)
         except BaseException:
             sock.close()
             raise
         return Connection(sock, f"{peer[0]}:{peer[1]}", int(cfg.tcp_inline_bytes))
+
+    def _handshake(self, sock: socket.socket, where: str, deadline: float) -> None:
+        """The client side of the challenge-response (see ``protocol``): prove the token,
+        and send nothing to a server that cannot prove it in return."""
+        token = self.ctx.config.auth_token
+        key = auth.derive_key(token, auth.TRANSFER) if token else None
+        nonce = auth.new_nonce()
+        sock.sendall(P.HELLO.pack(P.MAGIC, P.VERSION, 0, nonce))
+        magic, status, wants_proof, server_nonce, server_proof = P.CHALLENGE.unpack(
+            P.recv_before(sock, P.CHALLENGE.size, deadline)
+        )
+        if magic != P.MAGIC:
+            raise TransferError(f"{where} is not a kvpool transfer server")
+        if status != P.Status.OK:
+            text = P.STATUS_TEXT.get(status, str(status))  # type: ignore[call-overload]
+            raise TransferError(f"{where} refused the handshake: {text}")
+        if key is not None and not (
+            wants_proof and auth.proofs_match(server_proof,
+                                              auth.proof(key, b"server", nonce, server_nonce))
+        ):  # fmt: skip
+            raise AuthError(f"transfer peer {where} could not prove it holds the cluster token "
+                            f"({'wrong token' if wants_proof else 'it runs without one'})")  # fmt: skip
+        mine = P.NO_PROOF if key is None else auth.proof(key, b"client", server_nonce, nonce)
+        sock.sendall(P.PROOF.pack(mine))
+        magic, status = P.WELCOME.unpack(P.recv_before(sock, P.WELCOME.size, deadline))
+        if magic != P.MAGIC or status != P.Status.OK:
+            text = P.STATUS_TEXT.get(status, str(status))  # type: ignore[call-overload]
+            raise TransferError(f"{where} refused the handshake: {text}")

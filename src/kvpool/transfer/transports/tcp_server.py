@@ -10,19 +10,21 @@ segment request gets an error response, a malformed frame closes that connection
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 
+from kvpool.common import auth
 from kvpool.transfer import protocol as P
 from kvpool.transfer.segment import Segment
 from kvpool.transfer.stats import TransferStats
 
 logger = logging.getLogger(__name__)
 
-HANDSHAKE_TIMEOUT = 5.0
+MAX_CONNECTIONS = 512  # each has a thread
+MAX_HANDSHAKING = 64  # of those, still proving the token
 FLUSH_FRAMES = 256
 FLUSH_BYTES = 8 << 20
 DRAIN_CHUNK = 1 << 20
@@ -41,12 +43,13 @@ class TransferServer:
         stats: TransferStats,
     ) -> None:
         self._lookup = lookup
-        self._token = (token or "").encode()
+        self._key = auth.derive_key(token, auth.TRANSFER) if token else None
         self._stats = stats
         self._sock = socket.create_server((host, port), backlog=128)
         self.host = host
         self.port = self._sock.getsockname()[1]
         self._conns: set[socket.socket] = set()
+        self._handshaking = 0
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(
@@ -71,16 +74,29 @@ class TransferServer:
                 conn, addr = self._sock.accept()
             except OSError:
                 return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
-                self._conns.add(conn)
+                full = len(self._conns) >= MAX_CONNECTIONS or self._handshaking >= MAX_HANDSHAKING
+                if not full:
+                    self._conns.add(conn)
+                    self._handshaking += 1
+            if full:
+                self._stats.error("connections")
+                logger.warning("transfer server: connection limit reached; refusing %s", addr)
+                conn.close()
+                continue
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(
                 target=self._serve, args=(conn, addr), name="kvpool-transfer-conn", daemon=True
             ).start()
 
     def _serve(self, conn: socket.socket, addr) -> None:
         try:
-            if self._handshake(conn, addr):
+            try:
+                ok = self._handshake(conn, addr)
+            finally:
+                with self._lock:
+                    self._handshaking -= 1
+            if ok:
                 self._frames(conn)
         except P.FrameError as exc:
             self._stats.error("protocol")
@@ -98,27 +114,33 @@ class TransferServer:
             conn.close()
 
     def _handshake(self, conn: socket.socket, addr) -> bool:
-        conn.settimeout(HANDSHAKE_TIMEOUT)
-        head = bytearray(P.HELLO.size)
-        P.recv_exact(conn, memoryview(head))
-        magic, version, token_len = P.HELLO.unpack(head)
-        if magic != P.MAGIC or token_len > P.MAX_TOKEN_BYTES:
-            raise P.FrameError(f"bad hello (magic {bytes(magic)!r}, token length {token_len})")
-        token = bytearray(token_len)
-        if token_len:
-            P.recv_exact(conn, memoryview(token))
-        status = P.Status.OK
+        """The server side of the challenge-response (see ``protocol``)."""
+        deadline = time.monotonic() + P.HANDSHAKE_TIMEOUT
+        magic, version, _, client_nonce = P.HELLO.unpack(P.recv_before(conn, P.HELLO.size,
+                                                                       deadline))  # fmt: skip
+        if magic != P.MAGIC:
+            raise P.FrameError(f"bad hello (magic {bytes(magic)!r})")
+        nonce = auth.new_nonce()
         if version != P.VERSION:
-            status = P.Status.BAD_VERSION
-        elif self._token and not hmac.compare_digest(bytes(token), self._token):
-            status = P.Status.BAD_TOKEN
+            conn.sendall(P.CHALLENGE.pack(P.MAGIC, P.Status.BAD_VERSION, 0, nonce, P.NO_PROOF))
+            return self._refused(addr, P.Status.BAD_VERSION)
+        key = self._key
+        mine = P.NO_PROOF if key is None else auth.proof(key, b"server", client_nonce, nonce)
+        conn.sendall(P.CHALLENGE.pack(P.MAGIC, P.Status.OK, key is not None, nonce, mine))
+        (given,) = P.PROOF.unpack(P.recv_before(conn, P.PROOF.size, deadline))
+        ok = key is None or auth.proofs_match(given, auth.proof(key, b"client", nonce,
+                                                                client_nonce))  # fmt: skip
+        status = P.Status.OK if ok else P.Status.BAD_TOKEN
         conn.sendall(P.WELCOME.pack(P.MAGIC, status))
-        if status != P.Status.OK:
-            self._stats.error("auth" if status == P.Status.BAD_TOKEN else "protocol")
-            logger.warning("transfer server: refused %s: %s", addr, P.STATUS_TEXT[status])
-            return False
+        if not ok:
+            return self._refused(addr, status)
         conn.settimeout(None)
         return True
+
+    def _refused(self, addr, status: P.Status) -> bool:
+        self._stats.error("auth" if status == P.Status.BAD_TOKEN else "protocol")
+        logger.warning("transfer server: refused %s: %s", addr, P.STATUS_TEXT[status])
+        return False
 
     def _frames(self, conn: socket.socket) -> None:
         reader = _Reader(conn)
