@@ -90,7 +90,7 @@ class TransferConfig:
     advertise_host: str | None = None  # the address peers dial; default: host
     directory: str = "memory"  # memory | http://HOST:PORT | etcd://HOST:PORT[,HOST:PORT]
     transport: str = "auto"  # auto: shared memory for same-host peers, TCP otherwise
-    auth_token: str | None = None  # default: $KVPOOL_AUTH_TOKEN; required off loopback
+    auth_token: str | None = None  # default: the environment's (auth.cluster_token); "" none
     num_streams: int = 2  # TCP connections per peer that large requests are striped over
     slice_bytes: int | str = "1MiB"  # large requests move as frames of at most this size
     max_inflight_bytes: int | str = "256MiB"  # per peer; submit waits (or raises) above it
@@ -101,8 +101,7 @@ class TransferConfig:
     segment_ttl: float = 10.0  # etcd lease of published descriptors (renewed while alive)
 
     def __post_init__(self) -> None:
-        import os
-
+        from kvpool.common.auth import cluster_token
         from kvpool.common.net import is_loopback
         from kvpool.transfer.protocol import MAX_FRAME_BYTES
 
@@ -123,11 +122,14 @@ class TransferConfig:
         if self.request_timeout <= 0 or self.connect_timeout <= 0 or self.segment_ttl < 2:
             raise ValueError("timeouts must be > 0 and segment_ttl >= 2 s")
         if self.auth_token is None:
-            self.auth_token = os.environ.get("KVPOOL_AUTH_TOKEN") or None
+            self.auth_token = cluster_token()
         if not is_loopback(self.host) and not self.auth_token:
             raise ValueError(
                 f"binding {self.host} (not loopback) requires an auth token: set KVPOOL_AUTH_TOKEN"
             )
+
+
+MAX_REPLICAS = 16
 
 
 @dataclass(slots=True)
@@ -138,7 +140,9 @@ class MasterConfig:
     high_watermark: float = 0.9  # eviction starts above this fraction of a tier's capacity
     low_watermark: float = 0.8  # ... and frees down to this
     lease_ttl: float = 10.0  # seconds a get protects an object from eviction and removal
-    put_timeout: float = 30.0  # a put not ended within this is revoked and its space reclaimed
+    put_timeout: float = 10.0  # a put not ended within this (plus size / put_min_rate) is
+    put_min_rate: int | str = "32MiB"  # ... revoked and its space reclaimed; bytes per second
+    max_pending_bytes: int | str = "1GiB"  # per client: bytes of puts started and not ended
     node_ttl: float = 10.0  # a node silent for this long is dropped with its replicas
     half_life: float = 60.0  # access-frequency decay (eviction heat)
     cooldown: float = 5.0  # a just-moved object is not moved again before this
@@ -146,8 +150,12 @@ class MasterConfig:
 
     def __post_init__(self) -> None:
         self.max_object_bytes = parse_size(self.max_object_bytes)
-        if not 1 <= self.replicas <= 16:
-            raise ValueError("replicas must be in [1, 16]")
+        self.put_min_rate = parse_size(self.put_min_rate)
+        self.max_pending_bytes = parse_size(self.max_pending_bytes)
+        if self.put_min_rate < 1 or self.max_pending_bytes < 1:
+            raise ValueError("put_min_rate and max_pending_bytes must be >= 1")
+        if not 1 <= self.replicas <= MAX_REPLICAS:
+            raise ValueError(f"replicas must be in [1, {MAX_REPLICAS}]")
         if not 0 < self.low_watermark < self.high_watermark <= 1:
             raise ValueError("need 0 < low_watermark < high_watermark <= 1")
         for name in ("lease_ttl", "put_timeout", "node_ttl", "half_life"):

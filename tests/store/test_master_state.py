@@ -7,6 +7,7 @@ from fake_clock import Clock
 
 from kvpool.common.errors import (
     AlreadyExistsError,
+    BackpressureError,
     BadRequestError,
     LeaseExpiredError,
     NoSpaceError,
@@ -32,8 +33,8 @@ def make(clock, nodes=("n1",), capacity=100 * KiB, **cfg) -> MasterState:
 
 
 def put(state: MasterState, key: str, size: int, **kw) -> None:
-    state.put_start(key, size, **kw)
-    state.put_end(key)
+    meta = state.put_start(key, size, **kw)
+    state.put_end(key, meta.put_id, 0)
 
 
 def test_two_phase_put_is_invisible_until_it_ends(clock):
@@ -45,25 +46,60 @@ def test_two_phase_put_is_invisible_until_it_ends(clock):
         s.get("k")
     with pytest.raises(AlreadyExistsError):
         s.put_start("k", 1000)  # in flight counts as existing
-    s.put_end("k", checksum=42)
+    with pytest.raises(NotFoundError):
+        s.put_end("k", meta.put_id + 1, 42)  # another put id: not this client's put
+    with pytest.raises(BadRequestError):
+        s.put_end("k", meta.put_id, None)  # a checksum is required
+    with pytest.raises(BadRequestError):
+        s.put_end("k", meta.put_id, 1 << 64)
+    assert not s.exists("k")
+    s.put_end("k", meta.put_id, 42)
     assert s.exists("k") and s.get("k").checksum == 42
     with pytest.raises(AlreadyExistsError):
         s.put_start("k", 10)  # immutable
     with pytest.raises(NotFoundError):
-        s.put_end("k")  # not in progress any more
+        s.put_end("k", meta.put_id, 42)  # not in progress any more
+
+
+def test_put_ids_are_capabilities(clock):
+    s = make(clock)
+    ids = {s.put_start(f"k{i}", 10).put_id for i in range(200)}
+    assert len(ids) == 200 and all(0 < i < 1 << 63 for i in ids)  # random, never reused
+    meta = s.objects["k0"]
+    with pytest.raises(NotFoundError):
+        s.put_revoke("k0", meta.put_id ^ 1)
+    assert "k0" in s.objects
+    s.put_revoke("k0", meta.put_id)
+    assert "k0" not in s.objects
 
 
 def test_revoke_and_put_timeout_reclaim_space(clock):
-    s = make(clock, put_timeout=30)
-    s.put_start("a", 40 * KiB)
-    s.put_revoke("a")
+    s = make(clock, put_timeout=30, put_min_rate="10KiB", node_ttl=1000)
+    a = s.put_start("a", 40 * KiB)
+    s.put_revoke("a", a.put_id)
     assert s.usage() == (0, 100 * KiB) and "a" not in s.objects
-    s.put_start("b", 40 * KiB)
-    clock.t += 31
+    b = s.put_start("b", 40 * KiB)
+    clock.t += 33  # 30 s plus 40 KiB at 10 KiB/s: not yet
+    assert s.tick() == ([], [])
+    clock.t += 2
     revoked, _dead = s.tick()
     assert revoked == ["b"] and s.usage()[0] == 0
     with pytest.raises(NotFoundError):
-        s.put_revoke("b")
+        s.put_revoke("b", b.put_id)
+
+
+def test_unfinished_puts_are_capped_per_client(clock):
+    s = make(clock, max_pending_bytes="50KiB")
+    first = s.put_start("a", 30 * KiB, owner="c1")
+    with pytest.raises(BackpressureError, match="unfinished puts"):
+        s.put_start("b", 30 * KiB, owner="c1")
+    s.put_start("b", 30 * KiB, owner="c2")  # another client has its own allowance
+    s.put_end("a", first.put_id, 0)
+    s.put_start("c", 30 * KiB, owner="c1")  # ended puts no longer count
+    assert s.pending_bytes == {"c1": 30 * KiB, "c2": 30 * KiB}
+    clock.t += 100
+    s.tick()  # revoked at their deadline: nothing counts any more
+    assert s.pending_bytes == {}
 
 
 def test_lease_blocks_removal_and_eviction(clock):
@@ -165,6 +201,10 @@ def test_no_space_and_bad_input(clock):
         s.put_start("k", 9 * KiB)  # over max_object_bytes
     with pytest.raises(BadRequestError):
         s.put_start("x" * 5000, 10)
+    for replicas in (-1, 0, 17, 1.5, True, "2"):
+        with pytest.raises(BadRequestError, match="replicas"):
+            s.put_start("k", 10, replicas=replicas)
+    assert not s.objects
     put(s, "a", 6 * KiB)
     s.get("a")  # leased: cannot be evicted
     with pytest.raises(NoSpaceError):

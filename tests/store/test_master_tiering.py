@@ -51,7 +51,7 @@ def put(s, mems, key, size):
     meta = s.put_start(key, size)
     r = meta.replicas[0]
     mems.mem[r.segment][r.offset : r.offset + size] = value
-    s.put_end(key)
+    s.put_end(key, meta.put_id, 0)
     return value
 
 
@@ -111,7 +111,7 @@ def test_no_ssd_tier_means_plain_eviction():
     s.mover = Memories().mover
     s.mount("n1", "n1/dram", Tier.DRAM, 100 * KiB)
     for i in range(4):
-        s.put_start(f"k{i}", 30 * KiB)
-        s.put_end(f"k{i}")
+        meta = s.put_start(f"k{i}", 30 * KiB)
+        s.put_end(f"k{i}", meta.put_id, 0)
         clock.t += 2
     assert s.counters["offloads"] == 0 and s.counters["evictions"] >= 1

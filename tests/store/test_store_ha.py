@@ -7,7 +7,7 @@ import signal
 import time
 
 import pytest
-from store_procs import Proc
+from procs import Proc
 
 from kvpool.common.errors import NotFoundError
 from kvpool.common.etcd import EtcdClient

@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from store_procs import Proc
+from procs import Proc
 
 from kvpool.common.errors import BadRequestError, NotFoundError
 from kvpool.config import TransferConfig

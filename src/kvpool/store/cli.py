@@ -11,6 +11,7 @@ import sys
 import threading
 from collections.abc import Callable
 
+from kvpool.common import auth
 from kvpool.config import MasterConfig, TransferConfig, parse_size
 
 
@@ -50,6 +51,7 @@ def _configured(args: argparse.Namespace, role: str) -> bool:
     """``apply_config``, reporting a bad file on stderr (False: exit 2)."""
     try:
         apply_config(args, role)
+        auth.export_cli_tokens(args)  # a token file named in --config
     except (OSError, ValueError) as exc:
         print(f"kvpool store {role}: {exc}", file=sys.stderr)
         return False
@@ -70,12 +72,12 @@ def _master(args: argparse.Namespace) -> int:
         lease_ttl=args.lease_ttl,
         node_ttl=args.node_ttl,
     )
-    token = os.environ.get("KVPOOL_AUTH_TOKEN") or None
+    token, admin = auth.cluster_token() or "", auth.admin_token() or ""
     if args.etcd:
-        return _master_ha(args, config, token)
-    service = MasterService(config, token=token)
+        return _master_ha(args, config, token, admin)
+    service = MasterService(config, token=token, admin_token=admin)
     try:
-        server = service.serve(args.host, args.port, token)
+        server = service.serve(args.host, args.port)
     except (ValueError, OSError) as exc:
         print(f"kvpool store master: {exc}", file=sys.stderr)
         service.close()
@@ -120,7 +122,7 @@ def _master_metrics(
     return MetricsServer(collectors, health, "127.0.0.1", args.metrics_port)
 
 
-def _master_ha(args: argparse.Namespace, config: MasterConfig, token: str | None) -> int:
+def _master_ha(args: argparse.Namespace, config: MasterConfig, token: str, admin: str) -> int:
     """Campaign through etcd; serve only while leading (a fresh table, rebuilt from nodes)."""
     from kvpool.common.etcd import EtcdClient
     from kvpool.store.master.ha import LeaderElection
@@ -130,8 +132,9 @@ def _master_ha(args: argparse.Namespace, config: MasterConfig, token: str | None
     live: dict = {}
 
     def elected() -> None:
-        live["service"] = MasterService(config, rebuild_grace=args.rebuild_grace, token=token)
-        live["server"] = live["service"].serve(args.host, args.port, token)
+        live["service"] = MasterService(config, rebuild_grace=args.rebuild_grace, token=token,
+                                        admin_token=admin)  # fmt: skip
+        live["server"] = live["service"].serve(args.host, args.port)
         print(json.dumps({"leader": True, "address": address}), flush=True)
 
     def lost() -> None:
@@ -217,6 +220,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     m.add_argument("--metrics-port", type=int, default=None, help="serve /metrics and /health")
     m.add_argument("--config", default=None, help="YAML file of these settings")
     m.add_argument("--log-level", default="info")
+    auth.add_token_args(m, admin=True)
     m.set_defaults(func=_master)
     _DEFAULTS["master"] = {a.dest: a.default for a in m._actions}
     n = sub.add_parser("node", help="a storage node contributing memory")
@@ -232,5 +236,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     n.add_argument("--metrics-port", type=int, default=None, help="serve /metrics and /health")
     n.add_argument("--config", default=None, help="YAML file of these settings")
     n.add_argument("--log-level", default="info")
+    auth.add_token_args(n)
     n.set_defaults(func=_node)
     _DEFAULTS["node"] = {a.dest: a.default for a in n._actions}

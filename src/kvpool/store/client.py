@@ -1,19 +1,28 @@
 """The store client: metadata from the master over RPC, bytes through the transfer engine.
 
-A put is two-phase: ``put_start`` (the master allocates replicas), WRITE the bytes into every
-replica's segment, ``put_end`` with the value's checksum (or ``put_revoke`` if a write
-failed). A get asks the master (which grants a read lease), READs one replica straight into
-the destination, and verifies the checksum, trying the next replica on any failure: a get
-returns the bytes that were put, or raises ``NotFoundError``; never other bytes.
+A put is two-phase: ``put_start`` (the master allocates replicas and hands out a put id),
+WRITE the bytes into every replica's segment, ``put_end`` with that id and the value's checksum
+(or ``put_revoke`` if a write failed). A get asks the master (which grants a read lease), READs
+one replica straight into the destination, and verifies the checksum, trying the next replica
+on any failure: a get returns the bytes that were put, or raises ``NotFoundError``; never other
+bytes.
+
+The checksum is xxh3-64 of the value (it catches accidents) in an open cluster, and a keyed
+BLAKE3 MAC of the key and the value (64-bit tag, key derived from the cluster token) when the
+cluster has a token: then bytes written into a segment by anyone without the token, or moved
+from another key, are a miss, never a hit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
+import blake3
 import xxhash
 
+from kvpool.common import auth
 from kvpool.common.errors import KVPoolError, NotFoundError, TransferError
 from kvpool.common.rpc import error_from_body
 from kvpool.config import TransferConfig
@@ -25,13 +34,23 @@ from kvpool.transfer.segment import byte_view
 logger = logging.getLogger(__name__)
 
 
+BATCH = 4096  # keys per master call of a batch (the RPC's bulk limits allow 65,536 elements)
+
+
 def checksum(view) -> int:
     """xxh3-64 of the value (about 20 µs per MiB here, 4x cheaper than xxh64)."""
     return xxhash.xxh3_64_intdigest(view)
 
 
-def checksum_parts(parts: list) -> int:
-    """The checksum of the concatenation of ``parts`` (equal to ``checksum`` of the whole)."""
+def checksum_parts(parts: list, key: str = "", mac_key: bytes | None = None) -> int:
+    """The checksum of the concatenation of ``parts``: xxh3-64 (equal to ``checksum`` of the
+    whole), or with ``mac_key`` the first 64 bits of keyed BLAKE3 over ``key`` and the value."""
+    if mac_key is not None:
+        encoded = key.encode()
+        h = blake3.blake3(len(encoded).to_bytes(4, "little") + encoded, key=mac_key)
+        for p in parts:
+            h.update(p)
+        return int.from_bytes(h.digest(8), "little")
     if len(parts) == 1:
         return checksum(parts[0])
     h = xxhash.xxh3_64()
@@ -49,8 +68,20 @@ def _requests(op: Op, parts: list, replica: dict) -> list[TransferRequest]:
     return out
 
 
+def transfer_config(config: TransferConfig | None, token: str | None) -> TransferConfig:
+    """``config`` (default: a fresh one) with ``token`` as its auth token unless it has one."""
+    config = config or TransferConfig(auth_token=token or None)
+    if token and config.auth_token is None:
+        config = dataclasses.replace(config, auth_token=token)
+    return config
+
+
 class StoreClient:
-    """Pythonic access to the pool: put/get (+ zero-copy ``put_from``/``get_into``) and batches."""
+    """Pythonic access to the pool: put/get (+ zero-copy ``put_from``/``get_into``) and batches.
+
+    ``token``: the cluster token (None: from the environment); ``admin_token``: connect to the
+    master as an admin (needed for ``remove(force=True)``).
+    """
 
     def __init__(
         self,
@@ -59,11 +90,16 @@ class StoreClient:
         token: str | None = None,
         timeout: float = 10.0,
         lease_cache: bool = True,
+        admin_token: str | None = None,
     ) -> None:
+        token = auth.cluster_token(token)
         self._own_engine = not isinstance(transfer, TransferEngine)
-        self.engine = transfer if isinstance(transfer, TransferEngine) else TransferEngine(transfer)
-        self.master = MasterLink(master, token=token, timeout=timeout)
+        self.engine = transfer if isinstance(transfer, TransferEngine) else \
+            TransferEngine(transfer_config(transfer, token))  # fmt: skip
+        self.master = MasterLink(master, token=token or "", timeout=timeout,
+                                 admin_token=admin_token)  # fmt: skip
         self.timeout = timeout
+        self._mac_key = auth.derive_key(token, auth.KV_MAC) if token else None
         self.leases = LeaseCache(lease_cache)  # repeated reads within a lease skip the master
 
     # -- single ---------------------------------------------------------------------------------
@@ -74,7 +110,7 @@ class StoreClient:
         view = byte_view(value, writable=False)
         meta = self.master.call("put_start", key, len(view), replicas)
         self._write(meta, view)
-        self.master.call("put_end", key, checksum(view))
+        self.master.call("put_end", key, meta["put_id"], self._checksum(key, [view]))
 
     put_from = put  # values are never copied on the way out: the engine sends from the buffer
 
@@ -124,11 +160,18 @@ class StoreClient:
         missing = [i for i, m in enumerate(metas) if m is None]
         if missing:
             asked = time.monotonic()
-            got = self.master.call("batch_get", [keys[i] for i in missing])
+            got = self._batched("batch_get", [keys[i] for i in missing])
             for i, m in zip(missing, got, strict=True):
                 metas[i] = m
                 self.leases.put(keys[i], m, asked)
         return metas, cached
+
+    def _checksum(self, key: str, parts: list) -> int:
+        return checksum_parts(parts, key, self._mac_key)
+
+    def _verified(self, meta: dict, parts: list) -> bool:
+        want = meta["checksum"]
+        return want is not None and self._checksum(meta["key"], parts) == want
 
     def get_size(self, key: str) -> int:
         return int(self._meta(key)[0]["size"])
@@ -137,9 +180,17 @@ class StoreClient:
         return bool(self.master.call("exists", key))
 
     def batch_exists(self, keys: list[str]) -> list[bool]:
-        return list(self.master.call("batch_exists", keys))
+        return self._batched("batch_exists", keys)
+
+    def _batched(self, method: str, items: list, *args) -> list:
+        """A batch call cut into master calls of at most ``BATCH`` items."""
+        out: list = []
+        for i in range(0, len(items), BATCH):
+            out.extend(self.master.call(method, items[i : i + BATCH], *args))
+        return out
 
     def remove(self, key: str, force: bool = False) -> None:
+        """Remove ``key``; ``force`` (ignore readers' leases) needs the admin token."""
         self.leases.drop(key)
         self.master.call("remove", key, force)
 
@@ -157,9 +208,8 @@ class StoreClient:
         (each part is sent from where it is: e.g. a header and a slice of a KV tensor)."""
         parts = [[byte_view(p, writable=False) for p in v] for v in values]
         sizes = [sum(len(p) for p in ps) for ps in parts]
-        metas = self.master.call(
-            "batch_put_start", [[k, n] for k, n in zip(keys, sizes, strict=True)], replicas
-        )
+        items = [[k, n] for k, n in zip(keys, sizes, strict=True)]
+        metas = self._batched("batch_put_start", items, replicas)
         results: list = [None] * len(keys)
         reqs, owners = [], []
         for i, (meta, ps) in enumerate(zip(metas, parts, strict=True)):
@@ -174,12 +224,14 @@ class StoreClient:
         for i, status in zip(owners, statuses, strict=True):
             if not status.ok and results[i] is None:
                 results[i] = status.error
-        ends = [[keys[i], checksum_parts(parts[i])] for i in range(len(keys)) if results[i] is None]
-        for i in range(len(keys)):
-            if results[i] is not None and "error" not in metas[i]:
-                self._revoke(keys[i])
+        ends = [[keys[i], metas[i]["put_id"], self._checksum(keys[i], parts[i])]
+                for i in range(len(keys)) if results[i] is None]  # fmt: skip
+        failed = [[keys[i], metas[i]["put_id"]]
+                  for i in range(len(keys)) if results[i] is not None and "error" not in metas[i]]  # fmt: skip
+        if failed:
+            self._revoke_many(failed)
         if ends:
-            self.master.call("batch_put_end", ends)
+            self._batched("batch_put_end", ends)
         return results
 
     batch_put_from = batch_put
@@ -225,7 +277,7 @@ class StoreClient:
         stale = [i for i, (c, good) in enumerate(zip(cached, ok, strict=True)) if c and not good]
         if stale:
             asked = time.monotonic()
-            fresh = self.master.call("batch_get", [keys[i] for i in stale])
+            fresh = self._batched("batch_get", [keys[i] for i in stale])
             for i, m in zip(stale, fresh, strict=True):
                 self.leases.drop(keys[i])
                 self.leases.put(keys[i], m, asked)
@@ -242,14 +294,16 @@ class StoreClient:
         try:
             self.engine.transfer(reqs, timeout=self.timeout)
         except KVPoolError:
-            self._revoke(meta["key"])
+            self._revoke_many([[meta["key"], meta["put_id"]]])
             raise
 
-    def _revoke(self, key: str) -> None:
+    def _revoke_many(self, items: list[list]) -> None:
+        """Revoke puts ``[[key, put_id], ...]`` whose writes failed (best effort: the master
+        revokes them at their deadline anyway)."""
         try:
-            self.master.call("put_revoke", key)
-        except KVPoolError as exc:  # it times out on the master anyway
-            logger.warning("store: revoking %s failed: %s", key, exc)
+            self._batched("batch_put_revoke", items)
+        except KVPoolError as exc:
+            logger.warning("store: revoking %d puts failed: %s", len(items), exc)
 
     def _read(self, meta: dict, view) -> None:
         parts = view if isinstance(view, list) else [view]
@@ -260,7 +314,7 @@ class StoreClient:
             except KVPoolError as exc:
                 last = exc
                 continue
-            if meta["checksum"] is None or checksum_parts(parts) == meta["checksum"]:
+            if self._verified(meta, parts):
                 return
             last = TransferError(f"checksum mismatch reading {meta['key']} from {r['node']}")
         raise NotFoundError(f"key {meta['key']!r}: no readable replica ({last})")
@@ -280,7 +334,7 @@ class StoreClient:
             moved[i] = moved[i] and status.ok
         ok = [False] * len(metas)
         for i, m in picks:
-            if moved[i] and (m["checksum"] is None or checksum_parts(views[i]) == m["checksum"]):
+            if moved[i] and self._verified(m, views[i]):
                 ok[i] = True
                 continue
             try:

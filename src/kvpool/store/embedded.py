@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import itertools
 
+from kvpool.common import auth
 from kvpool.config import MasterConfig, TransferConfig, parse_size
 from kvpool.store.client import StoreClient
+from kvpool.store.client import transfer_config as with_token
 from kvpool.store.master.service import MasterService
 from kvpool.store.node import StorageNode
 from kvpool.transfer import TransferEngine
@@ -24,20 +26,24 @@ class EmbeddedStore(StoreClient):
         node_id: str | None = None,  # default: unique, so several can live in one process
         ssd_path: str | None = None,
         ssd_size: int | str = 0,
+        token: str | None = None,  # the cluster token (None: from the environment)
+        admin_token: str | None = None,
     ) -> None:
         node_id = node_id or f"embedded-{next(_ids)}"
-        self.service = MasterService(master_config)
+        token = auth.cluster_token(token) or ""
+        self.service = MasterService(master_config, token=token, admin_token=admin_token)
         self.server = self.service.serve()
-        engine = TransferEngine(transfer_config)
+        engine = TransferEngine(with_token(transfer_config, token))
         self.node = StorageNode(
             node_id,
             self.server.address,
             parse_size(memory),
             engine,
+            token=token,
             ssd_path=ssd_path,
             ssd_size=parse_size(ssd_size),
         )
-        super().__init__(self.server.address, engine)
+        super().__init__(self.server.address, engine, token=token, admin_token=admin_token)
         self._engine = engine
 
     def close(self) -> None:

@@ -36,13 +36,15 @@ class MasterLink:
         token: str | None = None,
         timeout: float = 10.0,
         failover_timeout: float = 15.0,
+        admin_token: str | None = None,
     ) -> None:
         self.etcd = EtcdClient(master[len("etcd://") :]) if master.startswith("etcd://") else None
         self.failover_timeout = failover_timeout
         self.timeout = timeout
         # with etcd, a dead leader must be noticed fast: short calls, retried on the new one
         call_timeout = min(timeout, 2.0) if self.etcd else timeout
-        self.rpc = RpcClient(self._resolve() if self.etcd else master, token, call_timeout)
+        self.rpc = RpcClient(self._resolve() if self.etcd else master, token, call_timeout,
+                             admin_token=admin_token)  # fmt: skip
 
     def _resolve(self) -> str:
         from kvpool.store.master.ha import leader_address

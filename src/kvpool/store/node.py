@@ -15,17 +15,21 @@ import threading
 
 import numpy as np
 
+from kvpool.common import auth
 from kvpool.common.errors import BadRequestError, KVPoolError
 from kvpool.common.rpc import RpcServer
 from kvpool.config import TransferConfig
+from kvpool.store.client import transfer_config
 from kvpool.store.link import MasterLink
 from kvpool.transfer import TransferEngine
 
 logger = logging.getLogger(__name__)
+REPORT_CHUNK = 4096  # objects per mount/report call (within the RPC's bulk limits)
 
 
 class StorageNode:
-    """Owns ``memory`` bytes of pool space; runs until ``close``."""
+    """Owns ``memory`` bytes of pool space; runs until ``close``. ``token``: the cluster token
+    (None: from the environment)."""
 
     def __init__(
         self,
@@ -40,10 +44,12 @@ class StorageNode:
     ) -> None:
         if memory <= 0:
             raise ValueError("a node needs memory > 0 bytes")
+        token = auth.cluster_token(token)
         self.node_id = node_id
         self.segment_name = f"{node_id}/dram"
         self._own_engine = not isinstance(transfer, TransferEngine)
-        self.engine = transfer if isinstance(transfer, TransferEngine) else TransferEngine(transfer)
+        self.engine = transfer if isinstance(transfer, TransferEngine) else \
+            TransferEngine(transfer_config(transfer, token))  # fmt: skip
         self.segment = self.engine.register(self.segment_name, size=memory)
         self.ssd = None
         if ssd_path and ssd_size > 0:  # a file on the SSD, mapped: the OS pages it in and out
@@ -52,8 +58,8 @@ class StorageNode:
             path = os.path.join(ssd_path, f"kvpool-{safe}-{os.getpid()}.ssd")
             self.ssd = self.engine.register(f"{node_id}/ssd", size=ssd_size, path=path)
         # the master asks this node to copy objects between its tiers
-        self.rpc = RpcServer({"copy": self.copy}, self.engine.config.host, 0, token).start()
-        self.master = MasterLink(master, token=token, timeout=5.0)
+        self.rpc = RpcServer({"copy": self.copy}, self.engine.config.host, 0, token or "").start()
+        self.master = MasterLink(master, token=token or "", timeout=5.0)
         # key -> (segment, offset, size, checksum)
         self.index: dict[str, tuple[str, int, int, int | None]] = {}
         self._lock = threading.Lock()
@@ -75,7 +81,14 @@ class StorageNode:
             segments.append((self.ssd.name, "ssd", self.ssd.size))
         for name, tier, size in segments:
             mine = [i for i in items if i[2] == name]
-            self.master.call("mount", self.node_id, name, tier, size, address, mine)
+            chunks = [mine[i : i + REPORT_CHUNK] for i in range(0, len(mine), REPORT_CHUNK)]
+            chunks = chunks or [[]]
+            # the segment takes no allocation until its last chunk is adopted
+            self.master.call("mount", self.node_id, name, tier, size, address, chunks[0],
+                             len(chunks) == 1)  # fmt: skip
+            for k, chunk in enumerate(chunks[1:], 2):
+                self.master.call("report", self.node_id, chunk,
+                                 name if k == len(chunks) else None)  # fmt: skip
         if items:
             logger.info("node %s: mounted, reporting %d objects", self.node_id, len(items))
 

@@ -47,6 +47,9 @@ class ObjectMeta:
     last_access: float = 0.0
     cooldown_until: float = 0.0  # just promoted/offloaded: do not move it again before this
     checksum: int | None = None  # of the value, given by the client at put_end
+    put_id: int = 0  # the capability put_start hands out: put_end and put_revoke need it
+    owner: str = ""  # the client that started the put (its unfinished bytes count against it)
+    pending: int = 0  # bytes of this unfinished put counted against its owner
     extra: dict = field(default_factory=dict)
 
     def leased(self, now: float) -> bool:

@@ -16,12 +16,13 @@ from collections.abc import Callable
 
 from kvpool.common.errors import (
     BadRequestError,
+    ForbiddenError,
     KVPoolError,
     NoSpaceError,
     NotFoundError,
     UnavailableError,
 )
-from kvpool.common.rpc import RpcClient, RpcServer, rpc_method
+from kvpool.common.rpc import RpcClient, RpcServer, current_call, error_body, rpc_method
 from kvpool.config import MasterConfig
 from kvpool.store.master.objects import ObjectMeta, ObjectState, Replica, Tier
 from kvpool.store.master.state import MasterState
@@ -39,6 +40,11 @@ def meta_to_wire(meta: ObjectMeta, lease_ttl: float = 0.0) -> dict:
     }
 
 
+def _started(meta: ObjectMeta) -> dict:
+    """What put_start answers: where to write, and the put id that ends (or revokes) it."""
+    return {**meta_to_wire(meta), "put_id": meta.put_id}
+
+
 def _int(value: object, name: str) -> int:
     """An integer argument from the wire (bad input is a 400, never an internal error)."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -53,8 +59,19 @@ def _tier(value: object) -> Tier:
         raise BadRequestError(f"tier must be one of {[t.value for t in Tier]}") from exc
 
 
-def _replicas(value: object) -> int | None:
-    return None if value is None else _int(value, "replicas")
+def _items(value: object, width: int, what: str) -> list[list]:
+    """A batch argument: a list of ``width``-element lists (anything else is a 400)."""
+    if not isinstance(value, list) or not all(
+        isinstance(i, list) and len(i) == width for i in value
+    ):
+        raise BadRequestError(f"items must be a list of [{what}]")
+    return value
+
+
+def _keys(value: object) -> list[str]:
+    if not isinstance(value, list):
+        raise BadRequestError("keys must be a list")
+    return value
 
 
 class _TrackedState(MasterState):
@@ -78,8 +95,8 @@ class _TrackedState(MasterState):
             self.delta_base[node_id] = base = base + done
         return list(queue), base + len(queue) - 1
 
-    def put_end(self, key: str, checksum: int | None = None) -> None:
-        super().put_end(key, checksum)
+    def put_end(self, key: str, put_id: int, checksum: int) -> None:
+        super().put_end(key, put_id, checksum)
         meta = self.objects[key]
         for r in meta.replicas:
             self.deltas[r.node_id].append(["add", key, meta.size, r.segment, r.offset, checksum])
@@ -114,6 +131,7 @@ class MasterService:
         clock: Callable[[], float] = time.monotonic,
         rebuild_grace: float = 0.0,
         token: str | None = None,
+        admin_token: str | None = None,
     ) -> None:
         self.config = config or MasterConfig()
         self.state = _TrackedState(self.config, clock)
@@ -122,7 +140,7 @@ class MasterService:
         self._rebuild_until = time.monotonic() + rebuild_grace
         self._node_addresses: dict[str, str] = {}
         self._node_clients: dict[str, RpcClient] = {}
-        self._token = token
+        self._token, self._admin_token = token, admin_token  # None: from the environment
         self.state.mover = self._move
         self.lock = threading.Lock()
         self._stop = threading.Event()
@@ -146,7 +164,7 @@ class MasterService:
 
     # -- nodes ----------------------------------------------------------------------------------
 
-    @rpc_method
+    @rpc_method(bulk=True)
     def mount(
         self,
         node_id: str,
@@ -155,12 +173,16 @@ class MasterService:
         capacity: int,
         address: str | None = None,
         objects: list | None = None,
+        complete: bool = True,
     ) -> bool:
         """A node offers a segment; ``address``: its RPC server (for tier moves); ``objects``:
         what the segment already holds, adopted in the same step, so that no allocation can
-        land on it in between (a new leader rebuilding its table)."""
+        land on it in between (a new leader rebuilding its table). ``complete`` False: more of
+        its objects follow in ``report`` calls, and the segment takes no allocation until the
+        one that names it."""
         with self.lock:
-            self.state.mount(node_id, segment, Tier(tier), _int(capacity, "capacity"))
+            self.state.mount(node_id, segment, _tier(tier), _int(capacity, "capacity"),
+                             ready=bool(complete))  # fmt: skip
             if address:
                 self._node_addresses[node_id] = address
             if objects:
@@ -194,16 +216,21 @@ class MasterService:
                 else ([], 0)  # fmt: skip
         return {"known": known, "deltas": deltas, "epoch": self.state.epoch, "seq": seq}
 
-    @rpc_method
-    def report(self, node_id: str, objects: list) -> int:
-        """A node's contents after a (re)mount: adopt what this master does not know."""
+    @rpc_method(bulk=True)
+    def report(self, node_id: str, objects: list, complete: str | None = None) -> int:
+        """A node's contents after a (re)mount: adopt what this master does not know;
+        ``complete``: the segment whose report this ends (it takes allocations from now)."""
         with self.lock:
-            return self._adopt(node_id, objects)
+            adopted = self._adopt(node_id, objects)
+            if complete is not None:
+                self.state.segment_ready(node_id, complete)
+            return adopted
 
     def _adopt(self, node_id: str, objects: list) -> int:
         """Adopt a node's objects this master does not know (called with the lock held)."""
         adopted = 0
-        for key, size, segment, offset, checksum in objects:
+        for key, size, segment, offset, checksum in _items(objects, 5, "key, size, segment, "
+                                                                        "offset, checksum"):  # fmt: skip
             mounted = self.state.segments.get(segment)
             tier = mounted.tier if mounted is not None else Tier.DRAM
             replica = Replica(node_id, segment, _int(offset, "offset"), tier)
@@ -229,22 +256,24 @@ class MasterService:
 
     @rpc_method
     def put_start(self, key: str, size: int, replicas: int | None = None) -> dict:
+        """Allocate the replicas of a new object: ``{key, size, replicas, put_id, ...}``."""
+        owner = current_call().client_id
         with self.lock:
             try:
-                return meta_to_wire(self.state.put_start(key, _int(size, "size"), replicas))
+                return _started(self.state.put_start(key, _int(size, "size"), replicas, owner))
             except NoSpaceError as exc:
                 raise self._unavailable(exc) from None
 
     @rpc_method
-    def put_end(self, key: str, checksum: int | None = None) -> bool:
+    def put_end(self, key: str, put_id: int, checksum: int) -> bool:
         with self.lock:
-            self.state.put_end(key, checksum)
+            self.state.put_end(key, put_id, checksum)
         return True
 
     @rpc_method
-    def put_revoke(self, key: str) -> bool:
+    def put_revoke(self, key: str, put_id: int) -> bool:
         with self.lock:
-            self.state.put_revoke(key)
+            self.state.put_revoke(key, put_id)
         return True
 
     @rpc_method
@@ -255,41 +284,53 @@ class MasterService:
             except NotFoundError as exc:
                 raise self._unavailable(exc) from None
 
-    @rpc_method
+    @rpc_method(bulk=True)
     def batch_get(self, keys: list[str]) -> list[dict | None]:
         out: list[dict | None] = []
         with self.lock:
-            for key in keys:
+            for key in _keys(keys):
                 try:
                     out.append(meta_to_wire(self.state.get(key), self.config.lease_ttl))
                 except NotFoundError:
                     out.append(None)
         return out
 
-    @rpc_method
+    @rpc_method(bulk=True)
     def batch_put_start(self, items: list, replicas: int | None = None) -> list[dict]:
-        """``[[key, size], ...]`` -> per item the object, or ``{"error": {...}}``."""
-        from kvpool.common.rpc import error_body
-
+        """``[[key, size], ...]`` -> per item the object with its put id, or
+        ``{"error": {...}}``."""
+        owner = current_call().client_id
         out = []
         with self.lock:
-            for key, size in items:
+            for key, size in _items(items, 2, "key, size"):
                 try:
-                    out.append(
-                        meta_to_wire(self.state.put_start(key, _int(size, "size"), replicas))
-                    )
+                    out.append(_started(self.state.put_start(key, _int(size, "size"), replicas,
+                                                             owner)))  # fmt: skip
                 except KVPoolError as exc:
                     out.append({"error": error_body(exc)})
         return out
 
-    @rpc_method
+    @rpc_method(bulk=True)
     def batch_put_end(self, items: list) -> list[bool]:
-        """``[[key, checksum], ...]``; False for a key with no put in progress."""
+        """``[[key, put_id, checksum], ...]``; False for a key with no such put in progress."""
         out = []
         with self.lock:
-            for key, checksum in items:
+            for key, put_id, checksum in _items(items, 3, "key, put_id, checksum"):
                 try:
-                    self.state.put_end(key, checksum)
+                    self.state.put_end(key, put_id, checksum)
+                    out.append(True)
+                except NotFoundError:
+                    out.append(False)
+        return out
+
+    @rpc_method(bulk=True)
+    def batch_put_revoke(self, items: list) -> list[bool]:
+        """``[[key, put_id], ...]``; False for a key with no such put in progress."""
+        out = []
+        with self.lock:
+            for key, put_id in _items(items, 2, "key, put_id"):
+                try:
+                    self.state.put_revoke(key, put_id)
                     out.append(True)
                 except NotFoundError:
                     out.append(False)
@@ -303,15 +344,20 @@ class MasterService:
             raise UnavailableError("master is rebuilding its table after a fail-over")
         return found
 
-    @rpc_method
+    @rpc_method(bulk=True)
     def batch_exists(self, keys: list[str]) -> list[bool]:
         with self.lock:
-            return [self.state.exists(k) for k in keys]
+            return [self.state.exists(k) for k in _keys(keys)]
 
     @rpc_method
     def remove(self, key: str, force: bool = False) -> bool:
+        """Remove a COMPLETE object; refused while a reader holds its lease, unless ``force``,
+        which is an admin call (readers of a forced-away object fail their checksum)."""
+        if force and current_call().role != "admin":
+            raise ForbiddenError("remove(force=True) is an admin call: connect with the admin "
+                                 "token (KVPOOL_ADMIN_TOKEN)")  # fmt: skip
         with self.lock:
-            self.state.remove(key, force)
+            self.state.remove(key, bool(force))
         return True
 
     @rpc_method
@@ -336,5 +382,7 @@ class MasterService:
             }
 
     def serve(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> RpcServer:
-        """Start an RPC server for this service (the caller closes it)."""
-        return RpcServer(self, host, port, token=token).start()
+        """Start an RPC server for this service (the caller closes it); ``token`` defaults to
+        the service's (and that to the environment's)."""
+        token = self._token if token is None else token
+        return RpcServer(self, host, port, token=token, admin_token=self._admin_token).start()

@@ -4,8 +4,10 @@ Pure logic with an injected clock and no I/O, so every rule is tested exactly; t
 wraps it (one lock around every call). Semantics follow Mooncake Store:
 
 - ``put_start`` allocates replicas on distinct nodes and records the object PROCESSING (not
-  visible); the client writes the bytes through the transfer engine; ``put_end`` makes it
-  COMPLETE; ``put_revoke`` (or the put timeout) frees the space.
+  visible), under a random ``put_id`` that only the putting client learns; the client writes
+  the bytes through the transfer engine; ``put_end`` with that id and the value's checksum
+  makes it COMPLETE; ``put_revoke`` (or the put deadline) frees the space. A client's
+  unfinished puts may hold at most ``max_pending_bytes``.
 - ``get`` returns COMPLETE objects only and grants a read lease that blocks eviction and
   removal until it runs out; ``remove`` is refused while leased unless forced.
 - Space: when a put cannot allocate, or a tier passes its high watermark, objects are evicted
@@ -16,18 +18,21 @@ wraps it (one lock around every call). Semantics follow Mooncake Store:
 
 from __future__ import annotations
 
+import secrets
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpool.common.errors import (
     AlreadyExistsError,
+    BackpressureError,
     BadRequestError,
     LeaseExpiredError,
     NoSpaceError,
     NotFoundError,
 )
-from kvpool.config import MasterConfig
+from kvpool.config import MAX_REPLICAS, MasterConfig
 from kvpool.store.master import tiering
 from kvpool.store.master.allocator import OffsetAllocator
 from kvpool.store.master.objects import ObjectMeta, ObjectState, Replica, Tier
@@ -41,6 +46,7 @@ class MountedSegment:
     name: str
     tier: Tier
     allocator: OffsetAllocator
+    ready: bool = True  # False while its node still reports what it holds: no allocations
 
 
 @dataclass(slots=True)
@@ -68,13 +74,19 @@ class MasterState:
         )  # fmt: skip
         # copies bytes between two replicas on one node (DRAM <-> SSD); None: no tiering
         self.mover: Callable[[Replica, Replica, int], bool] | None = None
+        self.pending_bytes: dict[str, int] = defaultdict(int)  # by client: unfinished puts
 
     # -- nodes and segments ---------------------------------------------------------------------
 
-    def mount(self, node_id: str, segment: str, tier: Tier, capacity: int) -> None:
-        """A node offers ``capacity`` bytes of ``segment`` (re-mounting the same is a no-op)."""
-        if capacity <= 0:
-            raise BadRequestError("segment capacity must be > 0")
+    def mount(
+        self, node_id: str, segment: str, tier: Tier, capacity: int, ready: bool = True
+    ) -> None:
+        """A node offers ``capacity`` bytes of ``segment`` (re-mounting the same is a no-op);
+        not ``ready``: it takes no allocation until ``segment_ready``."""
+        if capacity <= 0 or capacity > 1 << 50:
+            raise BadRequestError("segment capacity must be in (0, 2**50] bytes")
+        if not isinstance(segment, str) or not 0 < len(segment) <= 255:
+            raise BadRequestError("a segment name must be 1..255 characters")
         old = self.segments.get(segment)
         if old is not None:
             if old.node_id != node_id:
@@ -83,7 +95,14 @@ class MasterState:
         node = self.nodes.setdefault(node_id, Node(node_id, self.clock(), []))
         node.last_seen = self.clock()
         node.segments.append(segment)
-        self.segments[segment] = MountedSegment(node_id, segment, tier, OffsetAllocator(capacity))
+        self.segments[segment] = MountedSegment(node_id, segment, tier, OffsetAllocator(capacity),
+                                                ready)  # fmt: skip
+
+    def segment_ready(self, node_id: str, segment: str) -> None:
+        seg = self.segments.get(segment)
+        if seg is None or seg.node_id != node_id:
+            raise BadRequestError(f"segment {segment!r} is not mounted by {node_id}")
+        seg.ready = True
 
     def heartbeat(self, node_id: str) -> bool:
         """False if the master does not know the node (it must mount again)."""
@@ -106,6 +125,7 @@ class MasterState:
             if len(kept) != len(meta.replicas):
                 meta.replicas = kept
                 if not kept:
+                    self._settle(meta)
                     del self.objects[key]
                     lost.append(key)
         return lost
@@ -130,33 +150,65 @@ class MasterState:
 
     # -- puts -----------------------------------------------------------------------------------
 
-    def put_start(self, key: str, size: int, replicas: int | None = None) -> ObjectMeta:
-        """Allocate ``replicas`` copies on distinct nodes (DRAM first, evicting if needed)."""
+    def put_start(
+        self, key: str, size: int, replicas: int | None = None, owner: str = "local"
+    ) -> ObjectMeta:
+        """Allocate ``replicas`` copies on distinct nodes (DRAM first, evicting if needed) for
+        client ``owner``; the object's ``put_id`` is what ends or revokes the put."""
         _check_key(key)
-        if not 0 < size <= self.config.max_object_bytes:
+        want = self.config.replicas if replicas is None else replicas
+        if not _is_int(want) or not 1 <= want <= MAX_REPLICAS:
+            raise BadRequestError(f"replicas must be an integer in [1, {MAX_REPLICAS}]")
+        if not _is_int(size) or not 0 < size <= self.config.max_object_bytes:
             raise BadRequestError(
                 f"value size {size} not in [1, {self.config.max_object_bytes}] bytes"
             )
         if key in self.objects:
             raise AlreadyExistsError(f"key {key!r} already exists (objects are immutable)")
-        want = replicas or self.config.replicas
+        held, cap = self.pending_bytes.get(owner, 0), self.config.max_pending_bytes
+        if held + size * want > cap:
+            raise BackpressureError(
+                f"client {owner} has {held} bytes in unfinished puts (at most {cap}): end or "
+                "revoke them first"
+            )
         placed = self._place(size, want)
         now = self.clock()
-        meta = ObjectMeta(key, size, placed, now, put_deadline=now + self.config.put_timeout)
+        deadline = now + self.config.put_timeout + size / self.config.put_min_rate
+        meta = ObjectMeta(key, size, placed, now, put_deadline=deadline,
+                          put_id=secrets.randbits(63) or 1, owner=owner,
+                          pending=size * len(placed))  # fmt: skip
+        self.pending_bytes[owner] += meta.pending
         self.objects[key] = meta
         self.counters["puts"] += 1
         return meta
 
-    def put_end(self, key: str, checksum: int | None = None) -> None:
-        meta = self._processing(key)
+    def put_end(self, key: str, put_id: int, checksum: int) -> None:
+        """Make the put ``put_id`` of ``key`` COMPLETE with the value's ``checksum`` (64-bit)."""
+        meta = self._processing(key, put_id)
+        if not _is_int(checksum) or not 0 <= checksum < 1 << 64:
+            raise BadRequestError("checksum must be an unsigned 64-bit integer")
+        self._settle(meta)
         meta.state = ObjectState.COMPLETE
         meta.checksum = checksum
         meta.touch(self.clock(), self.config.half_life)
 
-    def put_revoke(self, key: str) -> None:
-        meta = self._processing(key)
+    def put_revoke(self, key: str, put_id: int) -> None:
+        self._revoke(self._processing(key, put_id))
+
+    def _revoke(self, meta: ObjectMeta) -> None:
         self._delete(meta)
         self.counters["revokes"] += 1
+
+    def _settle(self, meta: ObjectMeta) -> None:
+        """The put is over: its bytes no longer count against its client (idempotent)."""
+        if not meta.pending:
+            return
+        left = self.pending_bytes.get(meta.owner, 0) - meta.pending
+        meta.pending = 0
+        if left > 0:
+            self.pending_bytes[meta.owner] = left
+        else:
+            self.pending_bytes.pop(meta.owner, None)
 
     # -- reads and removal ------------------------------------------------------------------------
 
@@ -198,12 +250,13 @@ class MasterState:
     def tick(self) -> tuple[list[str], list[str]]:
         """Revoke puts past their deadline and drop silent nodes: (revoked keys, dropped nodes)."""
         now = self.clock()
-        revoked = [
-            m.key for m in self.objects.values()
+        late = [
+            m for m in self.objects.values()
             if m.state is ObjectState.PROCESSING and m.put_deadline < now
         ]  # fmt: skip
-        for key in revoked:
-            self.put_revoke(key)
+        for meta in late:
+            self._revoke(meta)
+        revoked = [m.key for m in late]
         dead = [n.node_id for n in self.nodes.values() if now - n.last_seen > self.config.node_ttl]
         for node_id in dead:
             self.drop_node(node_id)
@@ -241,7 +294,7 @@ class MasterState:
     def _allocate(self, size: int, skip_nodes: set[str]) -> Replica | None:
         segs = [
             s for s in self.segments.values()
-            if s.tier is Tier.DRAM and s.node_id not in skip_nodes
+            if s.tier is Tier.DRAM and s.ready and s.node_id not in skip_nodes
         ]  # fmt: skip
         segs.sort(key=lambda s: s.allocator.free_bytes, reverse=True)
         for seg in segs:
@@ -289,10 +342,10 @@ class MasterState:
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _processing(self, key: str) -> ObjectMeta:
+    def _processing(self, key: str, put_id: int) -> ObjectMeta:
         meta = self.objects.get(key)
-        if meta is None or meta.state is not ObjectState.PROCESSING:
-            raise NotFoundError(f"no put in progress for key {key!r}")
+        if meta is None or meta.state is not ObjectState.PROCESSING or meta.put_id != put_id:
+            raise NotFoundError(f"no put {put_id!r} in progress for key {key!r}")
         return meta
 
     def on_move(self, meta: ObjectMeta, old: Replica, new: Replica) -> None:
@@ -315,12 +368,17 @@ class MasterState:
         meta.replicas = [r for r in meta.replicas if r.segment != segment]
 
     def _delete(self, meta: ObjectMeta) -> None:
+        self._settle(meta)
         for r in meta.replicas:
             seg = self.segments.get(r.segment)
             if seg is not None:
                 seg.allocator.free(r.offset)
         meta.replicas = []
         self.objects.pop(meta.key, None)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _check_key(key: str) -> None:

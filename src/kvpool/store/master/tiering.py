@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 def segment_of(state: MasterState, node_id: str, tier: Tier) -> MountedSegment | None:
     for seg in state.segments.values():
-        if seg.node_id == node_id and seg.tier is tier:
+        if seg.node_id == node_id and seg.tier is tier and seg.ready:
             return seg
     return None
 
