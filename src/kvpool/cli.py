@@ -52,10 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvpool.common import auth
+
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help()
+        return 2
+    try:
+        auth.export_cli_tokens(args)
+    except ValueError as exc:
+        print(f"kvpool {args.command}: {exc}", file=sys.stderr)
         return 2
     return int(args.func(args) or 0)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2e_helpers import serve
+from procs import serve
 
 openai = pytest.importorskip("openai")
 

@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from e2e_helpers import Proc, free_port, kvpool_cmd, wait_healthy
+from procs import Proc, free_port, kvpool_cmd, wait_healthy
 
 openai = pytest.importorskip("openai")
 

@@ -27,7 +27,7 @@ def make_app(tiny_engine_factory):
         eng = tiny_engine_factory(**{"num_threads": 1, **overrides})
         aeng = AsyncLLMEngine(eng).start()
         started.append(aeng)
-        return aeng, build_app(aeng, MODEL, api_key=api_key)
+        return aeng, build_app(aeng, MODEL, api_keys=[api_key] if api_key else [])
 
     yield make
     for aeng in started:

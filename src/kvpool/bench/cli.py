@@ -31,6 +31,9 @@ def scaling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=256)
     p.add_argument("--budget", type=float, default=3600.0, help="seconds per replay, at most")
     p.add_argument("--model", default=None, help="model name to send (default: /v1/models)")
+    p.add_argument("--api-key", default=None,
+                   help="bearer key of the endpoints (default $KVPOOL_API_KEY, else "
+                        "$OPENAI_API_KEY, else the cluster token $KVPOOL_AUTH_TOKEN)")  # fmt: skip
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--no-progress", action="store_true")
 
@@ -101,12 +104,17 @@ def load(args: argparse.Namespace):
 
 
 def run_one(args, url: str, reqs) -> tuple[list, dict]:
+    import os
+
     from kvpool.bench.metrics import summarize
     from kvpool.bench.replay import ReplayConfig, replay
+    from kvpool.common import auth
 
+    key = (args.api_key or os.environ.get(auth.API_KEY_ENV) or os.environ.get("OPENAI_API_KEY")
+           or auth.cluster_token())  # fmt: skip
     cfg = ReplayConfig(url.rstrip("/"), args.model, args.prompt_format, args.max_concurrency,
                        budget_s=args.budget, block_tokens=args.block_tokens,
-                       progress=not args.no_progress)  # fmt: skip
+                       progress=not args.no_progress, api_key=key)  # fmt: skip
     records, duration = asyncio.run(replay(reqs, cfg))
     summary = summarize(records, duration, args.slo_ttft, args.slo_tbt)
     summary["prompt_format"] = cfg.prompt_format

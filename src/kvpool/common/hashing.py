@@ -74,3 +74,14 @@ def kv_namespace(
         f"{model_fingerprint}|kv-v{layout_version}|{dtype}|bs{block_size}"
         f"|L{num_layers}|H{num_kv_heads}|D{head_dim}"
     )
+
+
+def leading_true(flags: list) -> int:
+    """How many leading entries of ``flags`` are true: the blocks of a chain that are present
+    (a chain is usable only up to its first gap)."""
+    n = 0
+    for present in flags:
+        if not present:
+            break
+        n += 1
+    return n

@@ -1,51 +1,58 @@
 """The conductor's OpenAI-compatible front door.
 
-A request is validated and tokenized here (same tokenizer and chat template as the workers, so
-block hashes agree), its prefix is looked up in the pool, the router picks workers (or rejects
-it with 429), the prefill worker computes and publishes the prompt's KV (control RPC), and the
-decode worker's response -- a stream or one JSON body -- is relayed to the client unchanged.
-If the prefill worker fails, the decode worker computes the prompt itself. If the decode worker
-dies mid-stream, the stream ends with an error event. Routes: ``/v1/models``,
-``/v1/completions``, ``/v1/chat/completions``, ``/health``, ``/metrics``, ``/cluster``.
+A request is validated and tokenized here, off the event loop (same tokenizer and chat
+template as the workers, so block hashes agree); a prompt that can never fit the workers'
+context gets 400 before routing. Its prefix is looked up in the pool, the router picks workers
+(or rejects it with 429), the prefill worker computes and publishes the prompt's KV (control
+RPC), and the decode worker's response -- a stream or one JSON body -- is relayed to the client
+(``relay.py``). If the prefill worker fails, the decode worker computes the prompt itself; a
+request the prefill worker refuses as bad (400) is the client's fault and goes back to it, and
+never marks the worker failed. If the decode worker dies mid-stream, the stream ends with an
+error event. Routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
+``/health``, ``/metrics``, ``/cluster``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
-from kvpool.common.errors import BadRequestError, KVPoolError, RejectedError, UnavailableError
+from kvpool.common import auth
+from kvpool.common.errors import (
+    BackpressureError,
+    BadRequestError,
+    KVPoolError,
+    NotFoundError,
+    PayloadTooLargeError,
+    RejectedError,
+    UnavailableError,
+)
 from kvpool.common.hashing import block_hashes, namespace_seed
 from kvpool.common.rpc import RpcClient
 from kvpool.conductor.cluster import ClusterState
 from kvpool.conductor.cluster_state import RequestInfo
 from kvpool.conductor.metrics import ConductorMetrics
+from kvpool.conductor.relay import Flight, Relay, RelayResponse, WorkerFailedError
 from kvpool.conductor.router import Route, Router
-from kvpool.serving.formats import sse
-from kvpool.serving.http_errors import (
-    BearerAuthMiddleware,
-    CatchAllMiddleware,
-    ModelNotFoundError,
-    error_body,
-    install_error_handlers,
-)
+from kvpool.engine.limits import check_context_length, check_prompt_chars, check_token_ids
+from kvpool.serving.app_common import add_model_routes, secure_app
+from kvpool.serving.http_errors import ModelNotFoundError, install_error_handlers
+from kvpool.serving.http_limits import HttpLimits
 from kvpool.serving.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from kvpool.serving.store_connector import block_key
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["Conductor", "WorkerFailedError", "build_conductor_app"]
 
-class WorkerFailedError(KVPoolError):
-    http_status = 502
-    error_type = "worker_error"
+# errors of a prefill call that say the request was bad, not the worker
+_CLIENT_FAULTS = (BadRequestError, NotFoundError, PayloadTooLargeError)
 
 
 class Conductor:
@@ -58,9 +65,12 @@ class Conductor:
         self.prefill_timeout = prefill_timeout
         self.metrics = ConductorMetrics(cluster)
         self.inflight = 0
+        self.metrics.inflight.set_function(lambda: self.inflight)
         self.created = int(time.time())
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # workers' HTTP APIs take the internal bearer derived from the cluster token
+        headers = {"Authorization": f"Bearer {auth.internal_bearer(token)}"} if token else {}
         self.http = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(600.0, connect=3.0))
+        self.relay = Relay(self.http, self.metrics, cluster.mark_failed)
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -77,22 +87,35 @@ class Conductor:
     # -- one request -----------------------------------------------------------------------
 
     def tokenize(self, path: str, body: bytes) -> tuple[list[int], bool, int]:
-        """(token ids, stream?, max_tokens) of a completions or chat request body."""
+        """(token ids, stream?, max_tokens) of a completions or chat request body; 400 for
+        anything the workers could never serve (run off the event loop: it may be long)."""
+        limit, vocab = self.cluster.max_model_len, self.cluster.vocab_size or self.tok.vocab_size
         if path.endswith("/chat/completions"):
             req = parse_request(body, ChatCompletionRequest)
             self.check_model(req.model)
             params = req.to_sampling_params()
             if self.tok.chat_template is None:
                 raise BadRequestError("this model has no chat template; use /v1/completions")
-            text = self.tok.apply_chat_template(req.chat_messages(), add_generation_prompt=True)
+            messages = req.chat_messages()
+            if limit:
+                check_prompt_chars(sum(len(m["content"]) for m in messages), limit,
+                                   self.tok.max_token_chars)  # fmt: skip
+            text = self.tok.apply_chat_template(messages, add_generation_prompt=True)
             ids = self.tok.encode(text, add_special_tokens=False)
         else:
             req = parse_request(body, CompletionRequest)
             self.check_model(req.model)
             params = req.to_sampling_params()
             prompt = req.single_prompt()
-            ids = self.tok.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) \
-                else list(prompt)  # fmt: skip
+            if isinstance(prompt, str):
+                if limit:
+                    check_prompt_chars(len(prompt), limit, self.tok.max_token_chars)
+                ids = self.tok.encode(prompt, add_special_tokens=True)
+            else:
+                ids = list(prompt)
+                check_token_ids(ids, vocab, limit or len(ids) + 1)
+        if limit:
+            check_context_length(len(ids), params.max_tokens, limit)
         if not ids:
             raise BadRequestError("the prompt is empty", param="prompt")
         return ids, bool(req.stream), int(params.max_tokens or 16)
@@ -109,7 +132,7 @@ class Conductor:
     async def handle(self, request: Request) -> Response:
         t0 = time.perf_counter()
         body = await request.body()
-        ids, stream, max_tokens = self.tokenize(request.url.path, body)
+        ids, stream, max_tokens = await asyncio.to_thread(self.tokenize, request.url.path, body)
         info = await asyncio.to_thread(self.request_info, ids, max_tokens)
         try:
             route = self.router.route(self.cluster.snapshot(), info, self.inflight)
@@ -121,39 +144,42 @@ class Conductor:
             self.metrics.rejected.labels("no_worker").inc()
             self.metrics.requests.labels("unavailable").inc()
             raise
+        flight = self._take_flight(route)
+        response: Response | None = None
+        try:
+            cached = await self._prefill(route, ids) if route.prefill is not None else None
+            url = f"http://{self._http_of(route.decode.worker_id)}{request.url.path}"
+            self.metrics.routed.labels(route.decode.worker_id, "decode").inc()
+            if stream:
+                response = RelayResponse(self.relay.stream(url, body, route.decode.worker_id,
+                                                           t0, cached, flight), flight)  # fmt: skip
+                return response
+            return await self.relay.json(request, url, body, route.decode.worker_id, t0, cached,
+                                         flight)  # fmt: skip
+        finally:
+            if response is None:  # a stream's flight ends with its response, any other here
+                flight.release()
+
+    def _take_flight(self, route: Route) -> Flight:
         self.inflight += 1
         decode = self.cluster.worker(route.decode.worker_id)
         if decode is not None:
             decode.inflight += 1
-        cached = None  # with a prefill hand-off: the prefix the prefill worker reused
-        try:
-            if route.prefill is not None:
-                cached = await self._prefill(route, ids)
-            url = f"http://{self._http_of(route.decode.worker_id)}{request.url.path}"
-            self.metrics.routed.labels(route.decode.worker_id, "decode").inc()
-        except BaseException:
-            self._done(route)
-            raise
-        if stream:
-            return StreamingResponse(self._relay_stream(url, body, route, t0, cached),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
-        try:
-            return await self._relay_json(url, body, route, t0, cached)
-        finally:
-            self._done(route)
+
+        def release(outcome: str) -> None:
+            self.inflight -= 1
+            w = self.cluster.worker(route.decode.worker_id)
+            if w is not None:
+                w.inflight = max(0, w.inflight - 1)
+            self.metrics.requests.labels(outcome).inc()
+
+        return Flight(release)
 
     def _http_of(self, worker_id: str) -> str:
         w = self.cluster.worker(worker_id)
         if w is None or w.view is None:
             raise UnavailableError(f"worker {worker_id} is gone")
         return w.view.address
-
-    def _done(self, route: Route) -> None:
-        self.inflight -= 1
-        w = self.cluster.worker(route.decode.worker_id)
-        if w is not None:
-            w.inflight = max(0, w.inflight - 1)
 
     async def _prefill(self, route: Route, ids: list[int]) -> int | None:
         """Run the prompt on the prefill worker; the prompt tokens it reused (None: failed)."""
@@ -166,110 +192,24 @@ class Conductor:
         t0 = time.perf_counter()
 
         def call() -> dict:
-            with RpcClient(w.view.rpc, token=self.token, timeout=self.prefill_timeout) as c:
+            with RpcClient(w.view.rpc, token=self.token or "", timeout=self.prefill_timeout) as c:
                 return c.call("prefill", rid, ids, self.prefill_timeout)
 
         try:
             result = await asyncio.to_thread(call)
             self.metrics.prefill.observe(time.perf_counter() - t0)
             return int(result["cached_tokens"])
+        except _CLIENT_FAULTS:
+            raise  # the request is bad, not the worker: the client hears why
         except KVPoolError as exc:  # the decode worker will compute the prompt itself
             logger.warning("prefill on %s failed (%s); decode computes it", w.view.id, exc)
-            self.cluster.mark_failed(w.view.id)
+            if not isinstance(exc, RejectedError | BackpressureError):  # busy is not broken
+                self.cluster.mark_failed(w.view.id)
             return None
 
-    async def _relay_json(self, url: str, body: bytes, route: Route, t0: float,
-                          cached: int | None) -> Response:  # fmt: skip
-        try:
-            resp = await self.http.post(url, content=body,
-                                        headers={"Content-Type": "application/json"})  # fmt: skip
-        except httpx.HTTPError as exc:
-            self.cluster.mark_failed(route.decode.worker_id)
-            self.metrics.requests.labels("error").inc()
-            raise WorkerFailedError(f"worker {route.decode.worker_id} failed: {exc}") from exc
-        if resp.status_code == 200:
-            self.metrics.e2e.observe(time.perf_counter() - t0)
-        self.metrics.requests.labels("ok" if resp.status_code == 200 else "error").inc()
-        content = resp.content
-        if cached is not None and resp.status_code == 200:
-            content = _with_cached_tokens(content, cached)
-        return Response(content, resp.status_code, media_type="application/json")
 
-    async def _relay_stream(self, url: str, body: bytes, route: Route, t0: float,
-                            cached: int | None) -> AsyncIterator[bytes]:  # fmt: skip
-        first = last = None
-        chunks = 0
-        outcome = "error"
-        try:
-            req = self.http.build_request("POST", url, content=body,
-                                          headers={"Content-Type": "application/json"})  # fmt: skip
-            resp = await self.http.send(req, stream=True)
-            try:
-                if resp.status_code != 200:
-                    data = await resp.aread()
-                    yield sse(
-                        json.loads(data)
-                        if data.startswith(b"{")
-                        else error_body(resp.status_code, data.decode(errors="replace"))
-                    )
-                    return
-                async for part in resp.aiter_raw():
-                    now = time.perf_counter()
-                    n = part.count(b"data: ") - part.count(b"data: [DONE]")
-                    if n:
-                        if first is None:
-                            first = now
-                            self.metrics.ttft.observe(now - t0)
-                        elif last is not None:
-                            self.metrics.itl.observe(now - last)
-                        last, chunks = now, chunks + n
-                    if cached is not None and b'"usage"' in part:
-                        part = _with_cached_tokens(part, cached)
-                    yield part
-                outcome = "ok"
-            finally:
-                await resp.aclose()
-        except httpx.HTTPError as exc:
-            logger.warning("stream from %s broke: %s", route.decode.worker_id, exc)
-            self.cluster.mark_failed(route.decode.worker_id)
-            yield sse(error_body(502, f"worker {route.decode.worker_id} failed mid-stream: "
-                                      f"{type(exc).__name__}", WorkerFailedError.error_type))  # fmt: skip
-        finally:
-            self._done(route)
-            self.metrics.requests.labels(outcome).inc()
-            if outcome == "ok" and last is not None:
-                self.metrics.e2e.observe(last - t0)
-                if first is not None and chunks > 1:
-                    self.metrics.tpot.observe((last - first) / (chunks - 1))
-
-
-def _with_cached_tokens(data: bytes, cached: int) -> bytes:
-    """Report the prefix the prefill worker reused as the request's cached tokens (the decode
-    worker loaded the whole prompt from the pool, but only that part was reused, not computed
-    for this request). ``data`` is a JSON body or SSE lines; anything unparsable is kept."""
-
-    def fix(obj: dict) -> dict:
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            details = usage.get("prompt_tokens_details") or {}
-            details["cached_tokens"] = min(cached, int(usage.get("prompt_tokens", cached)))
-            usage["prompt_tokens_details"] = details
-        return obj
-
-    try:
-        if not data.lstrip().startswith(b"data:"):
-            return json.dumps(fix(json.loads(data))).encode()
-        lines = []
-        for line in data.split(b"\n"):
-            if line.startswith(b"data: {") and b'"usage"' in line:
-                line = b"data: " + json.dumps(fix(json.loads(line[6:]))).encode()
-            lines.append(line)
-        return b"\n".join(lines)
-    except (ValueError, TypeError):
-        return data
-
-
-def build_conductor_app(conductor: Conductor, api_key: str | None = None) -> FastAPI:
+def build_conductor_app(conductor: Conductor, api_keys: list[str] | tuple = (),
+                        limits: HttpLimits | None = None) -> FastAPI:  # fmt: skip
     app = FastAPI(title="kvpool conductor", summary="OpenAI-compatible, KVCache-aware")
     app.state.conductor = conductor
     install_error_handlers(app)
@@ -291,14 +231,7 @@ def build_conductor_app(conductor: Conductor, api_key: str | None = None) -> Fas
     async def cluster() -> JSONResponse:
         return JSONResponse(await asyncio.to_thread(conductor.cluster.describe))
 
-    @app.get("/v1/models")
-    async def list_models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [conductor.model_card()]})
-
-    @app.get("/v1/models/{model:path}")
-    async def get_model(model: str) -> JSONResponse:
-        conductor.check_model(model)
-        return JSONResponse(conductor.model_card())
+    add_model_routes(app, conductor.model_card, conductor.check_model)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -308,7 +241,5 @@ def build_conductor_app(conductor: Conductor, api_key: str | None = None) -> Fas
     async def chat_completions(request: Request) -> Response:
         return await conductor.handle(request)
 
-    app.add_middleware(CatchAllMiddleware)
-    if api_key:
-        app.add_middleware(BearerAuthMiddleware, token=api_key)
+    secure_app(app, list(api_keys), limits)
     return app

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import sys
 
+from kvpool.common import auth
 from kvpool.conductor.policies import POLICIES
 from kvpool.serving import cli_serve
 
@@ -39,7 +39,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="model whose tokenizer to load (default SmolLM2)")
     p.add_argument("--served-model-name", default=None)
     add_conductor_args(p)
+    cli_serve.add_http_args(p)
     p.add_argument("--log-level", default="info")
+    auth.add_token_args(p)
     p.set_defaults(func=run)
 
 
@@ -60,47 +62,38 @@ def build(args: argparse.Namespace, workers: list[str], token: str | None):
     )
     store = getattr(args, "store", None)
     cluster = ClusterState(workers, etcd=getattr(args, "etcd", None), store=store,
-                           token=token).start()  # fmt: skip
+                           token=token or "").start()  # fmt: skip
     tok = load_tokenizer(args.model)
     return Conductor(cluster, router, tok, cli_serve.served_name(args), token=token)
 
 
-async def serve_conductor(conductor, host: str, port: int, log_level: str, api_key: str | None,
-                          on_ready=None) -> None:  # fmt: skip
-    import uvicorn
-
+async def serve_conductor(conductor, args: argparse.Namespace, on_ready=None) -> None:
+    """Serve the conductor's API on ``args.host:args.port`` (API key: ``auth.api_key()``)."""
     from kvpool.conductor.api import build_conductor_app
+    from kvpool.serving.http_limits import serve_http
 
-    app = build_conductor_app(conductor, api_key)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=host,
-            port=port,
-            log_level=log_level,
-            lifespan="off",
-            timeout_graceful_shutdown=3,
-        )
-    )
-    task = asyncio.create_task(server.serve())
-    while not server.started and not task.done():
-        await asyncio.sleep(0.05)
-    if server.started and on_ready is not None:
-        on_ready()
+    key = auth.api_key()
+    limits = cli_serve.http_limits(args)
+    app = build_conductor_app(conductor, [key] if key else [], limits)
     try:
-        await task
+        await serve_http(app, limits, args.log_level, on_ready, host=args.host, port=args.port)
     finally:
         await conductor.close()
 
 
 def run(args: argparse.Namespace) -> int:
-    token = os.environ.get(cli_serve.AUTH_ENV) or None
+    token = auth.cluster_token()
     if not cli_serve.is_loopback(args.host) and token is None:
-        print(f"kvpool conductor: binding {args.host} needs ${cli_serve.AUTH_ENV}",
-              file=sys.stderr)  # fmt: skip
+        print(f"kvpool conductor: binding {args.host} needs ${auth.AUTH_ENV} or "
+              "--auth-token-file", file=sys.stderr)  # fmt: skip
         return 2
     if not args.worker and not args.etcd:
         print("kvpool conductor: give --worker addresses or --etcd", file=sys.stderr)
+        return 2
+    try:
+        cli_serve.http_limits(args)
+    except ValueError as exc:
+        print(f"kvpool conductor: invalid configuration: {exc}", file=sys.stderr)
         return 2
     from kvpool.common.log import setup_logging
 
@@ -111,8 +104,7 @@ def run(args: argparse.Namespace) -> int:
         conductor = build(args, args.worker, token)
         ready = lambda: print(f"kvpool conductor: ready on http://{args.host}:{args.port}/v1",  # noqa: E731
                               flush=True)  # fmt: skip
-        asyncio.run(serve_conductor(conductor, args.host, args.port, args.log_level, token,
-                                    ready))  # fmt: skip
+        asyncio.run(serve_conductor(conductor, args, ready))
     except KeyboardInterrupt:
         pass
     finally:

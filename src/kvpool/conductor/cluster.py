@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvpool.common.errors import KVPoolError
+from kvpool.common.hashing import leading_true
 from kvpool.common.rpc import RpcClient
 from kvpool.conductor.cluster_state import (
     ClusterSnapshot,
@@ -67,6 +68,8 @@ class ClusterState:
         self.namespace: str | None = None
         self.block_size = 16
         self.block_bytes = 0
+        self.max_model_len: int | None = None  # the workers' (None until one answered)
+        self.vocab_size: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvpool-cluster", daemon=True)
 
@@ -148,6 +151,8 @@ class ClusterState:
         if self.namespace is None:
             self.namespace, self.block_size = st["namespace"], int(st["block_size"])
             self.block_bytes = int(st.get("block_bytes", 0))
+            self.max_model_len = st.get("max_model_len")
+            self.vocab_size = st.get("vocab_size")
         elif st["namespace"] != self.namespace:
             logger.error("worker %s serves another model/KV format; not routing to it", st["id"])
             w.view.alive = False
@@ -204,12 +209,7 @@ class ClusterState:
         except KVPoolError:
             self.pool_up = False
             return 0
-        n = 0
-        for p in present:
-            if not p:
-                break
-            n += 1
-        return n
+        return leading_true(present)
 
     def describe(self) -> dict:
         """The ``/cluster`` document."""

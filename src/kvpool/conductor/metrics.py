@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
@@ -108,6 +108,8 @@ class ConductorMetrics:
             self.rejected.labels(reason)
         self.routed = Counter("kvpool_routed_requests", "Requests sent to a worker, by role.",
                               ["worker", "role"], registry=r)  # fmt: skip
+        self.inflight = Gauge("kvpool_conductor_inflight_requests",
+                              "Requests admitted and not yet answered.", registry=r)  # fmt: skip
         self.ttft = Histogram("kvpool_time_to_first_token_seconds",
                               "Arrival at the conductor to the first streamed token.",
                               buckets=TTFT_BUCKETS, registry=r)  # fmt: skip

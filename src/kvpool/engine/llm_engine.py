@@ -15,6 +15,7 @@ from kvpool.config import EngineConfig
 from kvpool.engine.block_pool import BlockPool
 from kvpool.engine.connector import BlockRef, KVConnector, NoopConnector
 from kvpool.engine.kv_cache_manager import KVCacheManager
+from kvpool.engine.limits import check_context_length, check_prompt_chars, check_token_ids
 from kvpool.engine.model_runner import (
     ModelRunner,
     ScheduledChunk,
@@ -116,13 +117,16 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a text or a list of ids (BadRequestError for what cannot fit)."""
         if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt))
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         ids = list(prompt)
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
-            raise BadRequestError(f"token ids must be integers in [0, {vocab})", param="prompt")
+        check_token_ids(ids, self.model_config.vocab_size, self.max_model_len)
         return ids
+
+    def check_prompt_chars(self, num_chars: int) -> None:
+        check_prompt_chars(num_chars, self.max_model_len, self.tokenizer.max_token_chars)
 
     def add_request(
         self,
@@ -148,17 +152,7 @@ class LLMEngine:
 
     def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Reject prompts (plus requested output) longer than the model or cache can hold."""
-        if num_prompt_tokens == 0:
-            raise BadRequestError("the prompt is empty", param="prompt")
-        limit = self.max_model_len
-        want = num_prompt_tokens + (params.max_tokens or 1)
-        if num_prompt_tokens >= limit or want > limit:
-            raise BadRequestError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{want} tokens ({num_prompt_tokens} in the prompt, {want - num_prompt_tokens} "
-                "in the completion). Please reduce the prompt or max_tokens.",
-                param="max_tokens" if num_prompt_tokens < limit else "prompt",
-            )
+        check_context_length(num_prompt_tokens, params.max_tokens, self.max_model_len)
 
     def abort_request(self, request_id: str) -> RequestOutput:
         """Stop a request and free its blocks; returns its final output (finish_reason abort)."""

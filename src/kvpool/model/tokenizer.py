@@ -7,6 +7,7 @@ Built either from GGUF metadata (``gguf_tokenizer.py``) or from a Hugging Face f
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -59,6 +60,11 @@ class Tokenizer:
         self.add_bos_token = add_bos_token
         self._chat_template = chat_template
         self._compiled: ChatTemplate | None = None
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token spells (bounds how much text a token count holds)."""
+        return max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     @property
     def vocab_size(self) -> int:

@@ -20,15 +20,11 @@ from kvpool.common.errors import BadRequestError, KVPoolError
 from kvpool.engine.async_engine import AsyncLLMEngine
 from kvpool.engine.request import RequestOutput
 from kvpool.engine.sampling import SamplingParams
+from kvpool.serving.app_common import add_model_routes, secure_app, wait_disconnect
 from kvpool.serving.engine_client import EngineClient
 from kvpool.serving.formats import SSE_DONE, ChatFormat, CompletionFormat, finish_reason, sse
-from kvpool.serving.http_errors import (
-    BearerAuthMiddleware,
-    CatchAllMiddleware,
-    ModelNotFoundError,
-    error_body,
-    install_error_handlers,
-)
+from kvpool.serving.http_errors import ModelNotFoundError, error_body, install_error_handlers
+from kvpool.serving.http_limits import HttpLimits
 from kvpool.serving.metrics import ServerMetrics
 from kvpool.serving.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
@@ -83,7 +79,8 @@ class OpenAIServer:
         req = parse_request(await request.body(), CompletionRequest)
         self.check_model(req.model)
         params = req.to_sampling_params()
-        ids = self.client.prepare(req.single_prompt(), params)
+        # tokenizing may take a while on a long prompt: never on the event loop
+        ids = await asyncio.to_thread(self.client.prepare, req.single_prompt(), params)
         fmt = CompletionFormat(self.model_name, req.include_usage)
         return await self._respond(request, ids, params, fmt, req.stream)
 
@@ -92,13 +89,17 @@ class OpenAIServer:
         self.check_model(req.model)
         params = req.to_sampling_params()
         messages = req.chat_messages()
-        tok = self.client.engine.tokenizer
-        if tok.chat_template is None:
+        if self.client.engine.tokenizer.chat_template is None:
             raise BadRequestError("this model has no chat template; use /v1/completions")
-        text = tok.apply_chat_template(messages, add_generation_prompt=True)
-        ids = self.client.prepare(tok.encode(text, add_special_tokens=False), params)
+        ids = await asyncio.to_thread(self._chat_ids, messages, params)
         fmt = ChatFormat(self.model_name, req.include_usage)
         return await self._respond(request, ids, params, fmt, req.stream)
+
+    def _chat_ids(self, messages: list[dict[str, str]], params: SamplingParams) -> list[int]:
+        eng = self.client.engine
+        eng.check_prompt_chars(sum(len(m["content"]) for m in messages))
+        text = eng.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.client.prepare(eng.tokenizer.encode(text, add_special_tokens=False), params)
 
     async def _respond(
         self,
@@ -128,7 +129,7 @@ class OpenAIServer:
     async def _until_disconnect(self, request: Request, work) -> RequestOutput | None:
         """Run ``work``; cancel it (aborting the request) if the client disconnects first."""
         task = asyncio.ensure_future(work)
-        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        watcher = asyncio.ensure_future(wait_disconnect(request))
         try:
             await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -166,22 +167,17 @@ class OpenAIServer:
         except KVPoolError as exc:
             logger.warning("stream failed: %s", exc.message)
             yield sse(exc.to_openai())
-        except Exception as exc:
+        except Exception:
             logger.exception("stream failed")
-            yield sse(error_body(500, f"internal server error: {type(exc).__name__}: {exc}"))
+            yield sse(error_body(500, "internal server error"))
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def build_app(aeng: AsyncLLMEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(aeng: AsyncLLMEngine, model_name: str, api_keys: list[str] | tuple = (),
+              limits: HttpLimits | None = None) -> FastAPI:  # fmt: skip
     """The OpenAI-compatible app over a started AsyncLLMEngine.
 
-    With ``api_key``, every request but ``/health`` needs ``Authorization: Bearer <api_key>``.
+    With ``api_keys``, every request but ``/health`` needs ``Authorization: Bearer <one of
+    them>``; ``limits``: the body size and time limits (default ``HttpLimits()``).
     """
     server = OpenAIServer(aeng, model_name)
     app = FastAPI(title="kvpool", summary="OpenAI-compatible server (single engine)")
@@ -198,14 +194,7 @@ def build_app(aeng: AsyncLLMEngine, model_name: str, api_key: str | None = None)
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=server.metrics.content_type)
 
-    @app.get("/v1/models")
-    async def list_models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [server.model_card()]})
-
-    @app.get("/v1/models/{model:path}")
-    async def get_model(model: str) -> JSONResponse:
-        server.check_model(model)
-        return JSONResponse(server.model_card())
+    add_model_routes(app, server.model_card, server.check_model)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -215,7 +204,5 @@ def build_app(aeng: AsyncLLMEngine, model_name: str, api_key: str | None = None)
     async def chat_completions(request: Request) -> Response:
         return await server.chat(request)
 
-    app.add_middleware(CatchAllMiddleware)
-    if api_key:
-        app.add_middleware(BearerAuthMiddleware, token=api_key)
+    secure_app(app, list(api_keys), limits)
     return app

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import sys
 from pathlib import Path
 
+from kvpool.common import auth
 from kvpool.common.errors import KVPoolError
 from kvpool.common.net import is_loopback
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
-AUTH_ENV = "KVPOOL_AUTH_TOKEN"
+AUTH_ENV = auth.AUTH_ENV
 
 
 _PARSER: list[argparse.ArgumentParser] = []
@@ -50,10 +50,36 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from kvpool.conductor.cli import add_conductor_args
 
     add_conductor_args(c)
+    add_http_args(p)
     p.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
     )
+    auth.add_token_args(p)
     p.set_defaults(func=run)
+
+
+def add_http_args(p: argparse.ArgumentParser) -> None:
+    """Limits of the OpenAI HTTP front (shared by ``serve``, ``worker`` and ``conductor``)."""
+    from kvpool.serving.http_limits import HttpLimits
+
+    d = HttpLimits()
+    g = p.add_argument_group("HTTP limits")
+    g.add_argument("--max-body-bytes", default=str(d.max_body_bytes),
+                   help="largest request body (default %(default)s bytes; 413 above)")  # fmt: skip
+    g.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="open connections and requests at once (503 above; default %(default)s)")  # fmt: skip
+    g.add_argument("--header-timeout", type=float, default=d.header_timeout,
+                   help="seconds a connection may take to send its request headers "
+                        "(default %(default)s)")  # fmt: skip
+    g.add_argument("--body-timeout", type=float, default=d.body_timeout,
+                   help="seconds a request may take to send its body (default %(default)s)")  # fmt: skip
+
+
+def http_limits(args: argparse.Namespace):
+    from kvpool.serving.http_limits import HttpLimits
+
+    return HttpLimits(args.max_body_bytes, args.max_connections, args.header_timeout,
+                      args.body_timeout)  # fmt: skip
 
 
 def apply_config_file(args: argparse.Namespace) -> None:
@@ -110,18 +136,23 @@ def _interrupt(signum: int, _frame: object) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load the model, start the engine thread, serve HTTP until Ctrl-C or SIGTERM."""
-    token = os.environ.get(AUTH_ENV) or None
+    token = auth.cluster_token()
     if not is_loopback(args.host) and token is None:
         print(
             f"kvpool serve: refusing to bind {args.host} (not loopback) without an auth "
-            f"token; set {AUTH_ENV}=<secret> (clients then send 'Authorization: Bearer "
-            "<secret>') or bind 127.0.0.1",
+            f"token; set {AUTH_ENV}=<secret> or --auth-token-file (clients then send "
+            "'Authorization: Bearer <secret>', or $KVPOOL_API_KEY's key) or bind 127.0.0.1",
             file=sys.stderr,
         )
         return 2
     from kvpool.common.log import setup_logging
 
     setup_logging(args.log_level)
+    try:
+        http_limits(args)
+    except ValueError as exc:
+        print(f"kvpool serve: invalid configuration: {exc}", file=sys.stderr)
+        return 2
     if not args.single:
         return _run_cluster(args, token)
     config = _engine_config(args)
@@ -134,8 +165,10 @@ def run(args: argparse.Namespace) -> int:
         aeng = _start_engine(config)
         from kvpool.serving.api_server import build_app
 
-        app = build_app(aeng, served_name(args), api_key=token)
-        asyncio.run(_serve(app, args, auth=token is not None))
+        key = auth.api_key()
+        app = build_app(aeng, served_name(args), api_keys=[key] if key else [],
+                        limits=http_limits(args))  # fmt: skip
+        asyncio.run(_serve(app, args, auth=key is not None))
     except KeyboardInterrupt:
         print("kvpool serve: interrupted, shutting down", flush=True)
     except KVPoolError as exc:  # e.g. the model cannot be found or loaded
@@ -212,22 +245,12 @@ def _start_engine(config):
 
 
 async def _serve(app, args: argparse.Namespace, auth: bool) -> None:
-    import uvicorn
+    from kvpool.serving.http_limits import serve_http
 
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        lifespan="off",
-        timeout_graceful_shutdown=5,
-    )
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    while not server.started and not task.done():
-        await asyncio.sleep(0.05)
-    if server.started:
+    def ready() -> None:
         host = f"[{args.host}]" if ":" in args.host else args.host
         note = " (bearer token required)" if auth else ""
         print(f"kvpool serve: ready on http://{host}:{args.port}/v1{note}", flush=True)
-    await task
+
+    await serve_http(app, http_limits(args), args.log_level, ready, host=args.host,
+                     port=args.port)  # fmt: skip

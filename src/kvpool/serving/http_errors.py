@@ -108,19 +108,22 @@ class CatchAllMiddleware:
             await self.app(scope, receive, tracking_send)
         except ClientDisconnect:
             logger.info("client disconnected during %s %s", scope.get("method"), scope.get("path"))
-        except Exception as exc:
+        except Exception:
             logger.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
-            if not started:
-                msg = f"internal server error: {type(exc).__name__}: {exc}"
-                await _send_json(send, 500, error_body(500, msg))
+            if not started:  # the details are in the server's log, not for the client
+                await _send_json(send, 500, error_body(500, "internal server error"))
 
 
 class BearerAuthMiddleware:
-    """Requires ``Authorization: Bearer <token>`` on every HTTP request but the exempt paths."""
+    """Requires ``Authorization: Bearer <key>``, with one of ``tokens``, on every HTTP request
+    but the exempt paths (each key compared in constant time)."""
 
-    def __init__(self, app: ASGIApp, token: str, exempt: tuple[str, ...] = ("/health",)) -> None:
+    def __init__(self, app: ASGIApp, tokens: list[str],
+                 exempt: tuple[str, ...] = ("/health",)) -> None:  # fmt: skip
+        if not tokens:
+            raise ValueError("BearerAuthMiddleware needs at least one token")
         self.app = app
-        self._expected = f"Bearer {token}".encode()
+        self._expected = [f"Bearer {t}".encode() for t in tokens]
         self.exempt = exempt
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -128,7 +131,8 @@ class BearerAuthMiddleware:
             await self.app(scope, receive, send)
             return
         given = dict(scope.get("headers", ())).get(b"authorization", b"")
-        if secrets.compare_digest(given, self._expected):
+        matches = [secrets.compare_digest(given, e) for e in self._expected]  # no early exit
+        if any(matches):
             await self.app(scope, receive, send)
             return
         body = error_body(401, "missing or invalid API key (Authorization: Bearer <token>)")

@@ -113,7 +113,17 @@ def plan(args: argparse.Namespace, directory: str) -> tuple[list[Child], list[Ch
     for role in roles:
         counts[role] = counts.get(role, 0) + 1
         wid = f"{role}-{counts[role]}"
-        argv = ["worker", "--role", role, "--id", wid, *engine, *log]
+        argv = [
+            "worker",
+            "--role",
+            role,
+            "--id",
+            wid,
+            *engine,
+            *log,
+            "--max-body-bytes",
+            str(args.max_body_bytes),
+        ]  # what the conductor relays
         if role == "prefill" and args.prefill_chunk:
             argv += ["--max-num-batched-tokens", str(args.prefill_chunk)]  # the last one wins
         if not args.colocated:
@@ -141,7 +151,7 @@ def launch(args: argparse.Namespace, token: str | None) -> int:
     from kvpool.conductor.cli import build, serve_conductor
     from kvpool.transfer.metadata_server import MetadataServer
 
-    meta = MetadataServer() if not args.colocated else None
+    meta = MetadataServer(token=token or "") if not args.colocated else None
     pool, workers = plan(args, meta.url if meta else "")
     children: list[Child] = []
     conductor = None
@@ -173,6 +183,8 @@ def launch(args: argparse.Namespace, token: str | None) -> int:
             for c in children
             if c.proc is not None
         }
+        if meta is not None:  # in this process: the segment directory of the pool
+            conductor.cluster.processes["directory"] = {"pid": os.getpid(), "url": meta.url}
         _wait_all_alive(conductor, len(workers))
 
         def ready() -> None:
@@ -182,8 +194,7 @@ def launch(args: argparse.Namespace, token: str | None) -> int:
                 flush=True,
             )
 
-        asyncio.run(serve_conductor(conductor, args.host, args.port, args.log_level, token,
-                                    ready))  # fmt: skip
+        asyncio.run(serve_conductor(conductor, args, ready))
     except KeyboardInterrupt:
         print("kvpool serve: interrupted, shutting down", flush=True)
     except KVPoolError as exc:

@@ -3,16 +3,28 @@
 Fields follow the OpenAI names plus vLLM's sampling extensions (``top_k``, ``stop_token_ids``,
 ``ignore_eos``, ...). Unknown fields are ignored, as OpenAI clients send some we do not use.
 Types are checked strictly (``"5"`` is not a number) so that a mistake is a 400, not a guess.
+Lists and strings that cost work per item are capped (``MAX_*``); the body as a whole is capped
+by the server (``HttpLimits.max_body_bytes``), the prompt by the model's context length.
 """
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from kvpool.common.errors import BadRequestError
 from kvpool.engine.sampling import SamplingParams
+
+MAX_STOPS = 64  # stop strings per request (OpenAI allows 4)
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 1024
+MAX_NAME_CHARS = 256  # model names, roles, content part types
+
+_Stop = Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS)]
+_Name = Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)]
 
 
 class _Body(BaseModel):
@@ -26,14 +38,14 @@ class StreamOptions(_Body):
 class _SamplingFields(_Body):
     """Fields shared by completions and chat completions."""
 
-    model: str | None = None
+    model: _Name | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_tokens: int = 0
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: _Stop | Annotated[list[_Stop], Field(max_length=MAX_STOPS)] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -100,13 +112,13 @@ class CompletionRequest(_SamplingFields):
 
 
 class ContentPart(_Body):
-    type: str
+    type: _Name
     text: str | None = None
 
 
 class ChatMessage(_Body):
-    role: str
-    content: str | list[ContentPart] | None = None
+    role: _Name
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
 
     def text(self) -> str:
         """The message's text; list content is the concatenation of its text parts."""
@@ -126,7 +138,7 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from kvpool.common.errors import AlreadyExistsError, KVPoolError, NotFoundError
+from kvpool.common.hashing import leading_true
 from kvpool.engine.connector import BlockRef, KVConnector
 
 logger = logging.getLogger(__name__)
@@ -117,12 +118,7 @@ class StoreConnector(KVConnector):
         except KVPoolError as exc:
             self._pool_failed("lookup", exc)
             return 0
-        n = 0
-        for p in present:
-            if not p:
-                break
-            n += 1
-        return n
+        return leading_true(present)
 
     def load(self, blocks: list[BlockRef], block_ids: list[int]) -> int:
         assert self._blocks is not None

@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 
+from kvpool.common import auth
 from kvpool.common.errors import KVPoolError
 from kvpool.serving import cli_serve
 
@@ -39,21 +40,29 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "(default: etcd://<--etcd> if given)")  # fmt: skip
     p.add_argument("--etcd", default=None, help="etcd endpoints to register in (HOST:PORT,...)")
     cli_serve.add_engine_args(p)
+    cli_serve.add_http_args(p)
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error", "critical"])  # fmt: skip
+    auth.add_token_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    token = os.environ.get(cli_serve.AUTH_ENV) or None
+    token = auth.cluster_token()
     if not cli_serve.is_loopback(args.host) and token is None:
-        print(f"kvpool worker: binding {args.host} needs ${cli_serve.AUTH_ENV}", file=sys.stderr)
+        print(f"kvpool worker: binding {args.host} needs ${auth.AUTH_ENV} or --auth-token-file",
+              file=sys.stderr)  # fmt: skip
         return 2
     from kvpool.common.log import setup_logging
 
     setup_logging(args.log_level)
     config = cli_serve._engine_config(args)
     if config is None:
+        return 2
+    try:
+        cli_serve.http_limits(args)
+    except ValueError as exc:
+        print(f"kvpool worker: invalid configuration: {exc}", file=sys.stderr)
         return 2
     previous = signal.signal(signal.SIGTERM, cli_serve._interrupt)
     parts: list = []
@@ -74,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _connector(args: argparse.Namespace, parts: list):
+def _connector(args: argparse.Namespace, token: str | None, parts: list):
     if not args.store:
         return None
     from kvpool.config import TransferConfig
@@ -84,8 +93,9 @@ def _connector(args: argparse.Namespace, parts: list):
     directory = args.directory or (f"etcd://{args.etcd}" if args.etcd else None)
     if directory is None:
         raise KVPoolError("--store needs --directory (or --etcd): where the pool's segments are")
-    transfer = TransferConfig(host=args.host, transport=args.transport, directory=directory)
-    client = StoreClient(args.store, transfer)
+    transfer = TransferConfig(host=args.host, transport=args.transport, directory=directory,
+                              auth_token=token or "")  # fmt: skip
+    client = StoreClient(args.store, transfer, token=token or "")
     parts.append(client.close)
     return StoreConnector(client)
 
@@ -95,10 +105,11 @@ async def _main(args, config, token: str | None, parts: list) -> None:
     from kvpool.engine.async_engine import AsyncLLMEngine
     from kvpool.engine.llm_engine import LLMEngine
     from kvpool.serving.api_server import build_app
+    from kvpool.serving.http_limits import serve_http
     from kvpool.serving.worker_control import WorkerControl
 
     wid = args.id or f"{args.role}-{os.getpid()}"
-    connector = _connector(args, parts)
+    connector = _connector(args, token, parts)
     engine = LLMEngine(config, connector=connector)
     aeng = AsyncLLMEngine(engine).start()
     parts.append(aeng.shutdown)
@@ -109,7 +120,7 @@ async def _main(args, config, token: str | None, parts: list) -> None:
     control = WorkerControl(info, aeng, asyncio.get_running_loop(), connector)
     # prefill calls hold a pool thread until their KV is published: enough threads that
     # status polls never queue behind them
-    rpc = RpcServer(control, args.host, args.rpc_port, token=token, workers=64).start()
+    rpc = RpcServer(control, args.host, args.rpc_port, token=token or "", workers=64).start()
     parts.append(rpc.close)
     info["rpc"] = rpc.address
     if args.etcd:
@@ -118,21 +129,13 @@ async def _main(args, config, token: str | None, parts: list) -> None:
         reg = Registration(EtcdClient(args.etcd), WORKERS_PREFIX + wid.encode(),
                            json.dumps(info).encode())  # fmt: skip
         parts.append(reg.close)
-    app = build_app(aeng, cli_serve.served_name(args), api_key=token)
-    await _serve_http(app, sock, args.log_level, {"ready": True, **info, "store": args.store})
-
-
-async def _serve_http(app, sock: socket.socket, log_level: str, ready: dict) -> None:
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off",
-                                           timeout_graceful_shutdown=3))  # fmt: skip
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started and not task.done():
-        await asyncio.sleep(0.05)
-    if server.started:
-        print(json.dumps(ready), flush=True)
-    await task
+    # the conductor relays with the internal bearer; clients of this worker use the API key
+    keys = [k for k in (token and auth.internal_bearer(token), auth.api_key()) if k]
+    limits = cli_serve.http_limits(args)
+    app = build_app(aeng, cli_serve.served_name(args), api_keys=keys, limits=limits)
+    ready = {"ready": True, **info, "store": args.store}
+    await serve_http(app, limits, args.log_level, lambda: print(json.dumps(ready), flush=True),
+                     sockets=[sock])  # fmt: skip
 
 
 def _family(host: str) -> socket.AddressFamily:

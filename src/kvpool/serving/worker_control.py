@@ -50,6 +50,8 @@ class WorkerControl:
             "namespace": eng.namespace,
             "block_size": eng.block_size,
             "block_bytes": int(eng.kv_cache[0].numel() * eng.kv_cache.element_size()),
+            "max_model_len": eng.max_model_len,
+            "vocab_size": eng.model_config.vocab_size,
             "load": self._load(),
             "cost": self.step_model.fit().to_dict(),
             "counters": self._counters(),
@@ -119,13 +121,16 @@ class WorkerControl:
 
     # -- prefill hand-off -------------------------------------------------------------------
 
-    @rpc_method
+    @rpc_method(bulk=True)
     def prefill(self, request_id: str, token_ids: list, timeout: float = 120.0) -> dict:
         """Compute the prompt's KV (and its first token); return once its blocks are pooled."""
         if not isinstance(request_id, str) or not request_id:
             raise BadRequestError("request_id must be a non-empty string")
         if not isinstance(token_ids, list) or not token_ids:
             raise BadRequestError("token_ids must be a non-empty list", param="token_ids")
+        eng = self.aeng.engine
+        eng.tokenize(token_ids)  # the checks of a request (400s), before anything is queued
+        eng.check_length(len(token_ids), SamplingParams(max_tokens=1))
         t0 = time.perf_counter()
         future = asyncio.run_coroutine_threadsafe(self._prefill(request_id, token_ids),
                                                   self.loop)  # fmt: skip
@@ -134,7 +139,6 @@ class WorkerControl:
         except TimeoutError:
             future.cancel()
             raise KVPoolTimeoutError(f"prefill of {request_id} took over {timeout}s") from None
-        eng = self.aeng.engine
         saved = True
         if self.connector is not None and self.connector.saves:
             hashes = block_hashes(token_ids, eng.block_size, eng.kv_manager.hash_seed)

@@ -1,0 +1,183 @@
+"""Relaying a decode worker's answer to the client, with the request's place in flight.
+
+A ``Flight`` is one admitted request: it holds its slot in the conductor's in-flight count and
+its decode worker's, and gives both back exactly once, however the request ends (finished,
+failed, the client gone before the first byte or mid-stream). Streams use ``RelayResponse``,
+which releases the flight even when the stream's generator never ran; a non-streaming relay
+stops (and so aborts the worker's request) when its client disconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kvpool.common.errors import KVPoolError
+from kvpool.serving.app_common import wait_disconnect
+from kvpool.serving.formats import sse
+from kvpool.serving.http_errors import error_body
+
+logger = logging.getLogger(__name__)
+JSON = {"Content-Type": "application/json"}
+
+
+class WorkerFailedError(KVPoolError):
+    http_status = 502
+    error_type = "worker_error"
+
+
+class Flight:
+    """One request in flight; ``release`` (idempotent) ends it with ``outcome``."""
+
+    def __init__(self, release: Callable[[str], None]) -> None:
+        self._release: Callable[[str], None] | None = release
+        self.outcome = "aborted"  # until the relay says otherwise
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release(self.outcome)
+
+    @property
+    def released(self) -> bool:
+        return self._release is None
+
+
+class RelayResponse(StreamingResponse):
+    """A stream that releases its flight and closes its generator whatever happens (a client
+    gone before the first chunk means the generator never started, so its own cleanup would
+    never run)."""
+
+    def __init__(self, content: AsyncIterator[bytes], flight: Flight) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+        self.flight = flight
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.flight.release()
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def with_cached_tokens(data: bytes, cached: int) -> bytes:
+    """Report the prefix the prefill worker reused as the request's cached tokens (the decode
+    worker loaded the whole prompt from the pool, but only that part was reused, not computed
+    for this request). ``data`` is a JSON body or SSE lines; anything unparsable is kept."""
+
+    def fix(obj: dict) -> dict:
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            details = usage.get("prompt_tokens_details") or {}
+            details["cached_tokens"] = min(cached, int(usage.get("prompt_tokens", cached)))
+            usage["prompt_tokens_details"] = details
+        return obj
+
+    try:
+        if not data.lstrip().startswith(b"data:"):
+            return json.dumps(fix(json.loads(data))).encode()
+        lines = []
+        for line in data.split(b"\n"):
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                line = b"data: " + json.dumps(fix(json.loads(line[6:]))).encode()
+            lines.append(line)
+        return b"\n".join(lines)
+    except (ValueError, TypeError):
+        return data
+
+
+class Relay:
+    """Posts a request to a decode worker and relays its answer (``metrics``: the conductor's,
+    ``failed(worker_id)``: called when the worker, not the client, broke the request)."""
+
+    def __init__(self, http: httpx.AsyncClient, metrics, failed: Callable[[str], None]) -> None:
+        self.http, self.metrics, self.failed = http, metrics, failed
+
+    async def json(self, request: Request, url: str, body: bytes, worker: str, t0: float,
+                   cached: int | None, flight: Flight) -> Response:  # fmt: skip
+        post = asyncio.ensure_future(self.http.post(url, content=body, headers=JSON))
+        gone = asyncio.ensure_future(wait_disconnect(request))
+        try:
+            await asyncio.wait({post, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not post.done():  # the client left: closing our connection aborts the worker's
+                post.cancel()
+                await asyncio.gather(post, return_exceptions=True)
+        if post.cancelled():
+            logger.info("client disconnected; request on %s aborted", worker)
+            return Response(status_code=499)
+        try:
+            resp = post.result()
+        except httpx.HTTPError as exc:
+            self.failed(worker)
+            flight.outcome = "error"
+            raise WorkerFailedError(f"worker {worker} failed ({type(exc).__name__})") from None
+        flight.outcome = "ok" if resp.status_code == 200 else "error"
+        content = resp.content
+        if resp.status_code == 200:
+            self.metrics.e2e.observe(time.perf_counter() - t0)
+            if cached is not None:
+                content = with_cached_tokens(content, cached)
+        return Response(content, resp.status_code, media_type="application/json")
+
+    async def stream(self, url: str, body: bytes, worker: str, t0: float, cached: int | None,
+                     flight: Flight) -> AsyncIterator[bytes]:  # fmt: skip
+        first = last = None
+        chunks = 0
+        flight.outcome = "error"
+        try:
+            resp = await self.http.send(self.http.build_request("POST", url, content=body,
+                                                                headers=JSON), stream=True)  # fmt: skip
+            try:
+                if resp.status_code != 200:
+                    data = await resp.aread()
+                    yield sse(_error_of(resp.status_code, data)).encode()
+                    return
+                async for part in resp.aiter_raw():
+                    now = time.perf_counter()
+                    n = part.count(b"data: ") - part.count(b"data: [DONE]")
+                    if n:
+                        if first is None:
+                            first = now
+                            self.metrics.ttft.observe(now - t0)
+                        elif last is not None:
+                            self.metrics.itl.observe(now - last)
+                        last, chunks = now, chunks + n
+                    if cached is not None and b'"usage"' in part:
+                        part = with_cached_tokens(part, cached)
+                    yield part
+                flight.outcome = "ok"
+            finally:
+                await resp.aclose()
+        except httpx.HTTPError as exc:
+            logger.warning("stream from %s broke: %s", worker, exc)
+            self.failed(worker)
+            yield sse(error_body(502, f"worker {worker} failed mid-stream: "
+                                      f"{type(exc).__name__}", WorkerFailedError.error_type)).encode()  # fmt: skip
+        finally:
+            flight.release()
+            if flight.outcome == "ok" and last is not None:
+                self.metrics.e2e.observe(last - t0)
+                if first is not None and chunks > 1:
+                    self.metrics.tpot.observe((last - first) / (chunks - 1))
+
+
+def _error_of(status: int, data: bytes) -> dict:
+    """A worker's error answer as an OpenAI error (its own JSON body, else a generic one)."""
+    try:
+        body = json.loads(data)
+        if isinstance(body, dict) and isinstance(body.get("error"), dict):
+            return body
+    except ValueError:
+        pass
+    return error_body(status, f"the worker answered HTTP {status}")
