@@ -29,7 +29,7 @@ from kvpool.common.errors import (
     ProtocolError,
     RejectedError,
 )
-from kvpool.common.rpc import AuthError, RpcClient, RpcServer, pack, rpc_method
+from kvpool.common.rpc import AuthError, RpcClient, RpcServer, ServerLimits, pack, rpc_method
 
 
 class Handler:
@@ -388,7 +388,7 @@ def test_requests_split_and_pipelined(server):
 
 
 def test_oversized_frames_are_refused():
-    with RpcServer(Handler(), max_message_size=1 << 17) as srv:
+    with RpcServer(Handler(), limits=ServerLimits(max_message_size=1 << 17)) as srv:
         with raw_conn(srv) as sock:
             sock.sendall((1 << 18).to_bytes(4, "big") + os.urandom(4096))
             reply = raw_reply(sock)

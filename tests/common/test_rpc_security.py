@@ -13,7 +13,15 @@ from raw_rpc import frame, handshake, raw_conn, read_frame, request, serve_hands
 
 from kvpool.common import auth
 from kvpool.common.errors import AuthError, ForbiddenError, ProtocolError
-from kvpool.common.rpc import PROTOCOL_VERSION, RpcClient, RpcServer, current_call, pack, rpc_method
+from kvpool.common.rpc import (
+    PROTOCOL_VERSION,
+    RpcClient,
+    RpcServer,
+    ServerLimits,
+    current_call,
+    pack,
+    rpc_method,
+)
 
 
 class Handler:
@@ -152,7 +160,9 @@ def test_admin_calls_need_the_admin_token():
 
 
 def test_silent_and_stalled_connections_are_closed():
-    with RpcServer(Handler(), token="", handshake_timeout=0.5, idle_timeout=0.5) as srv:
+    with RpcServer(
+        Handler(), token="", limits=ServerLimits(handshake_timeout=0.5, idle_timeout=0.5)
+    ) as srv:
         silent = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
         stalled = raw_conn(srv.port)
         stalled.sendall((1000).to_bytes(4, "big") + b"part of a frame")
@@ -167,7 +177,7 @@ def test_silent_and_stalled_connections_are_closed():
 
 
 def test_unauthenticated_connections_are_capped():
-    with RpcServer(Handler(), token="t", max_unauthenticated=4) as srv:
+    with RpcServer(Handler(), token="t", limits=ServerLimits(max_unauthenticated=4)) as srv:
         squatters = [socket.create_connection(("127.0.0.1", srv.port), timeout=5)
                      for _ in range(4)]  # fmt: skip
         for s in squatters:
@@ -193,7 +203,7 @@ def test_element_budgets_stop_amplification():
 
 
 def test_large_partial_frames_share_one_budget():
-    with RpcServer(Handler(), max_buffered=1 << 20) as srv:
+    with RpcServer(Handler(), limits=ServerLimits(max_buffered=1 << 20)) as srv:
         first = raw_conn(srv.port)
         first.sendall((800_000).to_bytes(4, "big") + b"\x94")
         time.sleep(0.2)

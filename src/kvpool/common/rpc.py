@@ -47,6 +47,7 @@ that cannot be reached raises ConnectionLostError (an UnavailableError) at once.
 from __future__ import annotations
 
 from kvpool.common.errors import AuthError, ForbiddenError
+from kvpool.common.rpc_admit import ServerLimits
 from kvpool.common.rpc_client import RpcClient
 from kvpool.common.rpc_dispatch import (
     LATENCY_BUCKETS,
@@ -55,7 +56,7 @@ from kvpool.common.rpc_dispatch import (
     current_call,
     rpc_method,
 )
-from kvpool.common.rpc_server import DEFAULT_MAX_MESSAGE_SIZE, MAX_REPLY, RpcServer
+from kvpool.common.rpc_server import MAX_REPLY, RpcServer
 from kvpool.common.rpc_wire import (
     BULK,
     PROTOCOL_VERSION,
@@ -69,7 +70,6 @@ from kvpool.common.rpc_wire import (
 
 __all__ = [
     "BULK",
-    "DEFAULT_MAX_MESSAGE_SIZE",
     "LATENCY_BUCKETS",
     "MAX_REPLY",
     "PROTOCOL_VERSION",
@@ -81,6 +81,7 @@ __all__ = [
     "Limits",
     "RpcClient",
     "RpcServer",
+    "ServerLimits",
     "current_call",
     "error_body",
     "error_from_body",

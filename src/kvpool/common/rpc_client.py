@@ -15,6 +15,7 @@ import logging
 import socket
 import threading
 import time
+import uuid
 from typing import Any
 
 from kvpool.common import auth
@@ -26,7 +27,7 @@ from kvpool.common.errors import (
     KVPoolTimeoutError,
     ProtocolError,
 )
-from kvpool.common.rpc_server import MAX_REPLY, new_client_id
+from kvpool.common.rpc_server import MAX_REPLY
 from kvpool.common.rpc_wire import (
     HEADER,
     MAGIC,
@@ -87,7 +88,7 @@ class RpcClient:
         secret = admin if admin else auth.cluster_token(token)
         self.role = "admin" if admin else "member"
         self._key = auth.derive_key(secret, auth.RPC) if secret else None
-        self.client_id = new_client_id()
+        self.client_id = uuid.uuid4().hex  # per client object: the server counts by it
         self.timeout = timeout
         self._max_size = max_message_size
         self._lock = threading.Lock()

@@ -19,76 +19,35 @@ import selectors
 import socket
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvpool.common import auth
-from kvpool.common.errors import (
-    AuthError,
-    BackpressureError,
-    BadRequestError,
-    KVPoolError,
-    PayloadTooLargeError,
-    ProtocolError,
-)
+from kvpool.common.errors import BackpressureError, KVPoolError, PayloadTooLargeError
 from kvpool.common.net import is_loopback
-from kvpool.common.rpc_dispatch import (
-    Call,
-    CallContext,
-    LatencyHistogram,
-    execute,
-    method_table,
-)
+from kvpool.common.rpc_admit import Connection, Gate, Refused, ServerLimits, parse_request
+from kvpool.common.rpc_dispatch import Call, CallContext, LatencyHistogram, execute, method_table
 from kvpool.common.rpc_wire import (
-    BULK,
     HEADER,
-    HELLO,
     MAGIC,
     MAX_HELLO_BYTES,
     PROTOCOL_VERSION,
-    ROLES,
     SMALL,
     error_reply,
     frame,
-    is_int,
     nodelay,
     pack,
-    unpack,
     url_host,
 )
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_MESSAGE_SIZE = BULK.max_bytes  # largest request; replies may be up to MAX_REPLY
 MAX_REPLY = 64 << 20
 _POLL_S = 0.1  # how often the loop looks at its stop flag
 _SWEEP_S = 0.5  # how often it looks for connections past their deadline
 _RECV = 256 << 10  # bytes read per recv
 _OUT_PAUSE = 16 << 20  # unsent reply bytes above which a connection is no longer read
 _PENDING_PER_CONN = 64  # requests of one connection queued on the worker pool
-
-
-class _Conn:
-    """One client connection: its socket, unparsed input, unsent output and identity."""
-
-    __slots__ = ("client_id", "closing", "deadline", "inbuf", "mask", "nonce", "outbuf",
-                 "peer", "pending", "ready", "reserved", "role", "sock")  # fmt: skip
-
-    def __init__(self, sock: socket.socket, peer: str, deadline: float) -> None:
-        self.sock = sock
-        self.peer = peer
-        self.inbuf = bytearray()
-        self.outbuf = bytearray()
-        self.closing = False  # close once the output is flushed
-        self.mask = selectors.EVENT_READ
-        self.ready = False  # handshake done
-        self.nonce = auth.new_nonce()
-        self.deadline: float | None = deadline  # handshake, or a partial frame's idle limit
-        self.role = ""
-        self.client_id = ""
-        self.pending = 0  # its requests on the worker pool
-        self.reserved = 0  # bytes of the global buffer budget its partial frame holds
 
 
 class RpcServer:
@@ -107,29 +66,20 @@ class RpcServer:
         port: int = 0,
         token: str | None = None,
         workers: int = 1,
-        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
         *,
         admin_token: str | None = None,
-        handshake_timeout: float = 5.0,
-        idle_timeout: float = 10.0,
-        max_connections: int = 1024,
-        max_unauthenticated: int = 128,
-        max_buffered: int = 256 << 20,
+        limits: ServerLimits | None = None,
     ) -> None:
         token, admin = auth.cluster_token(token), auth.admin_token(admin_token)
         if not is_loopback(host) and not token:
             raise ValueError(f"binding {host!r} (not loopback) requires a non-empty auth token")
-        if workers < 1 or max_message_size < SMALL.max_bytes:
-            raise ValueError(f"workers must be >= 1 and max_message_size >= {SMALL.max_bytes}")
-        self._methods = method_table(handler, max_message_size)
-        self._keys = {r: auth.derive_key(t, auth.RPC)
-                      for r, t in (("member", token), ("admin", admin)) if t}  # fmt: skip
-        self._open = token is None  # no cluster token: nobody authenticates
+        if workers < 1:
+            raise ValueError("workers must be >= 1")
+        self.limits = lim = limits or ServerLimits()
+        self._methods = method_table(handler, lim.max_message_size)
+        self._gate = Gate.of(token, admin)
         self._workers, self._max_pending, self._pending = workers, 64 * workers, 0
-        self._max_size = max_message_size
-        self._timeouts = (handshake_timeout, idle_timeout)
-        self._caps = (max_connections, max_unauthenticated)
-        self._buffer_budget = max_buffered
+        self._buffer_budget = lim.max_buffered
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server(
             ("127.0.0.1" if host == "localhost" else host, port), family=family, backlog=128
@@ -146,9 +96,9 @@ class RpcServer:
         self._sel = selectors.DefaultSelector()
         self._rbuf = bytearray(_RECV)
         self._rview = memoryview(self._rbuf)
-        self._conns: dict[int, _Conn] = {}  # by fileno
+        self._conns: dict[int, Connection] = {}  # by fileno
         self._unauthenticated = 0
-        self._done: queue.SimpleQueue[tuple[_Conn, bytes]] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[Connection, bytes]] = queue.SimpleQueue()
         self._wake_lock = threading.Lock()
         self._wake: tuple[int, int] | None = None
         self._closed = False
@@ -169,7 +119,7 @@ class RpcServer:
             )
             self._thread.start()
             logger.info("rpc server on %s (%s): %s", self.address,
-                        "open" if self._open else "token required", sorted(self._methods))  # fmt: skip
+                        "open" if self._gate.open else "token required", sorted(self._methods))  # fmt: skip
         return self
 
     def close(self, timeout: float = 5.0) -> None:
@@ -190,10 +140,6 @@ class RpcServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    @property
-    def connections(self) -> int:
-        return len(self._conns)
 
     def _release(self) -> None:
         for conn in list(self._conns.values()):
@@ -246,20 +192,23 @@ class RpcServer:
             except OSError as exc:  # e.g. EMFILE: keep serving the others
                 logger.warning("rpc %s: accept failed: %s", self.address, exc)
                 return
-            if len(self._conns) >= self._caps[0] or self._unauthenticated >= self._caps[1]:
+            full = len(self._conns) >= self.limits.max_connections
+            if full or self._unauthenticated >= self.limits.max_unauthenticated:
                 self.stats["dropped"] += 1
                 self._log("connection limit reached, refusing one")
                 sock.close()
                 continue
             sock.setblocking(False)
             nodelay(sock)
-            conn = _Conn(sock, f"{addr[0]}:{addr[1]}", time.monotonic() + self._timeouts[0])
+            conn = Connection(
+                sock, f"{addr[0]}:{addr[1]}", time.monotonic() + self.limits.handshake_timeout
+            )
             self._conns[sock.fileno()] = conn
             self._unauthenticated += 1
             self._sel.register(sock, selectors.EVENT_READ, conn)
-            self._send(conn, pack([PROTOCOL_VERSION, MAGIC, conn.nonce, not self._open]))
+            self._send(conn, pack([PROTOCOL_VERSION, MAGIC, conn.nonce, not self._gate.open]))
 
-    def _drop(self, conn: _Conn) -> None:
+    def _drop(self, conn: Connection) -> None:
         fd = conn.sock.fileno()
         if fd < 0:
             return
@@ -284,7 +233,7 @@ class RpcServer:
             self._log(f"closing {conn.peer}: {'no handshake' if not conn.ready else 'idle frame'}")
             self._drop(conn)
 
-    def _read(self, conn: _Conn) -> None:
+    def _read(self, conn: Connection) -> None:
         try:
             n = conn.sock.recv_into(self._rbuf)  # a reused buffer: no allocation per read
         except (BlockingIOError, InterruptedError):
@@ -317,11 +266,11 @@ class RpcServer:
         if start:
             del buf[:start]
         if conn.ready:
-            conn.deadline = time.monotonic() + self._timeouts[1] if buf else None
+            conn.deadline = time.monotonic() + self.limits.idle_timeout if buf else None
 
-    def _admit_size(self, conn: _Conn, size: int) -> bool:
+    def _admit_size(self, conn: Connection, size: int) -> bool:
         """Whether a frame of ``size`` bytes may be received (else: error reply, closing)."""
-        limit = self._max_size if conn.ready else MAX_HELLO_BYTES
+        limit = self.limits.max_message_size if conn.ready else MAX_HELLO_BYTES
         error: KVPoolError | None = None
         if size > limit:
             error = PayloadTooLargeError(f"message of {size} bytes exceeds the limit of {limit}")
@@ -333,59 +282,29 @@ class RpcServer:
                 conn.reserved = size
         if error is None:
             return True
-        self._reject(conn, None, error)
-        conn.closing = True  # the stream cannot be trusted after this
-        self._flush(conn)
+        self._refuse(conn, error)  # the stream cannot be trusted after this
         return False
 
-    # -- the handshake ---------------------------------------------------------------------
+    # -- the handshake, then requests ---------------------------------------------------------
 
-    def _hello(self, conn: _Conn, payload: memoryview) -> None:
-        """The client's ``[version, nonce, role, proof, client_id]``: admit or refuse it."""
+    def _hello(self, conn: Connection, payload: memoryview) -> None:
         try:
-            msg = unpack(payload, HELLO)
-        except Exception:
-            msg = None
-        if not (isinstance(msg, list) and len(msg) == 5 and is_int(msg[0])):
-            return self._refuse(conn, ProtocolError("expected a hello [version, nonce, role, "
-                                                    "proof, client_id] first"))  # fmt: skip
-        version, nonce, role, given, client_id = msg
-        if version != PROTOCOL_VERSION:
-            return self._refuse(conn, ProtocolError(f"unsupported protocol version {version}"))
-        if not (isinstance(nonce, bytes) and len(nonce) == auth.NONCE_BYTES and role in ROLES
-                and isinstance(client_id, str) and 0 < len(client_id) <= 64):  # fmt: skip
-            return self._refuse(conn, ProtocolError("malformed hello"))
-        key = self._keys.get(role)
-        if key is not None:
-            if not auth.proofs_match(given, auth.proof(key, b"client", conn.nonce, nonce)):
-                self.stats["auth_failures"] += 1
-                return self._refuse(conn, AuthError("missing or wrong auth token"))
-            reply_proof = auth.proof(key, b"server", nonce, conn.nonce)
-        elif self._open and (role == "member" or "admin" not in self._keys):
-            reply_proof = None  # open mode: no authentication (loopback only)
-        else:
-            self.stats["auth_failures"] += 1
-            what = "admin calls are disabled (no admin token)" if role == "admin" and \
-                not self._open else "missing or wrong auth token"  # fmt: skip
-            return self._refuse(conn, AuthError(what))
+            admitted = self._gate.hello(payload, conn.nonce)
+        except Refused as refused:
+            self.stats["auth_failures"] += refused.auth
+            self._refuse(conn, refused.error)
+            return
         conn.ready, conn.deadline = True, None
         self._unauthenticated -= 1
-        # open mode without an admin token: no authorization either, every caller may do all
-        conn.role = "admin" if role == "admin" or (self._open and "admin" not in self._keys) \
-            else "member"  # fmt: skip
-        conn.client_id = client_id
-        self._send(conn, pack([True, reply_proof, conn.role]))
+        conn.role, conn.client_id = admitted.role, admitted.client_id
+        self._send(conn, admitted.welcome)
 
-    def _refuse(self, conn: _Conn, error: KVPoolError) -> None:
-        self._reject(conn, None, error)
-        conn.closing = True
-        self._flush(conn)
-
-    # -- requests --------------------------------------------------------------------------
-
-    def _dispatch(self, conn: _Conn, payload: memoryview) -> None:
-        call = self._parse(conn, payload)
-        if call is None:
+    def _dispatch(self, conn: Connection, payload: memoryview) -> None:
+        try:
+            call = parse_request(payload, self._methods,
+                                 CallContext(conn.client_id, conn.role, conn.peer))  # fmt: skip
+        except Refused as refused:
+            self._reject(conn, refused.request_id, refused.error)
             return
         self.stats["calls"] += 1
         if self._pool is None:
@@ -397,34 +316,7 @@ class RpcServer:
             conn.pending += 1
             self._pool.submit(self._work, conn, call)
 
-    def _parse(self, conn: _Conn, payload: memoryview) -> Call | None:
-        """The call in ``payload`` (None: refused with an error reply)."""
-        head = _peek(payload)
-        if head is None:
-            self._reject(conn, None, ProtocolError("request must be [method, id, args, kwargs]"))
-            return None
-        name, rid = head
-        method = self._methods.get(name)
-        if method is None:
-            self._reject(conn, rid, BadRequestError(f"unknown method {name!r}"))
-            return None
-        if len(payload) > method.limits.max_bytes:
-            self._reject(conn, rid, PayloadTooLargeError(
-                f"request to {name} of {len(payload)} bytes exceeds its limit of "
-                f"{method.limits.max_bytes}"))  # fmt: skip
-            return None
-        try:
-            msg = unpack(payload, method.limits)
-        except Exception as exc:
-            self._reject(conn, rid, ProtocolError(f"request to {name} not decoded: {exc}"[:200]))
-            return None
-        if not (isinstance(msg, list) and len(msg) == 4 and isinstance(msg[2], list)
-                and isinstance(msg[3], dict) and all(isinstance(k, str) for k in msg[3])):  # fmt: skip
-            self._reject(conn, rid, ProtocolError("args must be an array and kwargs a map"))
-            return None
-        return Call(rid, method, msg[2], msg[3], CallContext(conn.client_id, conn.role, conn.peer))
-
-    def _work(self, conn: _Conn, call: Call) -> None:
+    def _work(self, conn: Connection, call: Call) -> None:
         self._done.put((conn, execute(call, MAX_REPLY, self.latency, self.stats)))
         with self._wake_lock:
             if self._wake is not None:
@@ -449,14 +341,20 @@ class RpcServer:
         level = logging.WARNING if n <= 10 or n % 1000 == 0 else logging.DEBUG  # no log floods
         logger.log(level, "rpc %s: %s", self.address, what)
 
-    def _reject(self, conn: _Conn, request_id: int | None, error: KVPoolError) -> None:
+    def _reject(self, conn: Connection, request_id: int | None, error: KVPoolError) -> None:
         self.stats["malformed"] += 1
         self._log(f"rejected a request from {conn.peer}: {error.message}")
         self._send(conn, error_reply(request_id, error))
 
+    def _refuse(self, conn: Connection, error: KVPoolError) -> None:
+        """An error reply, then the connection closes (once the reply is out)."""
+        self._reject(conn, None, error)
+        conn.closing = True
+        self._flush(conn)
+
     # -- output ----------------------------------------------------------------------------
 
-    def _send(self, conn: _Conn, data: bytes) -> None:
+    def _send(self, conn: Connection, data: bytes) -> None:
         if conn.outbuf:
             conn.outbuf += frame(data)
             if len(conn.outbuf) > _OUT_PAUSE:  # it does not read its replies: stop reading it
@@ -475,7 +373,7 @@ class RpcServer:
             conn.outbuf += memoryview(out)[sent:]
             self._want(conn, selectors.EVENT_READ | selectors.EVENT_WRITE)
 
-    def _flush(self, conn: _Conn) -> None:
+    def _flush(self, conn: Connection) -> None:
         while conn.outbuf:
             try:
                 sent = conn.sock.send(conn.outbuf)
@@ -495,33 +393,7 @@ class RpcServer:
         else:
             self._want(conn, selectors.EVENT_READ)
 
-    def _want(self, conn: _Conn, mask: int) -> None:
+    def _want(self, conn: Connection, mask: int) -> None:
         if conn.mask != mask and conn.sock.fileno() >= 0:
             conn.mask = mask
             self._sel.modify(conn.sock, mask, conn)
-
-
-def _peek(payload: memoryview) -> tuple[str, int] | None:
-    """``(method, request id)`` from the first bytes of ``[method, id, args, kwargs]``: a
-    fixarray of 4, a fixstr, then a non-negative integer (nothing else is decoded)."""
-    if len(payload) < 3 or payload[0] != 0x94 or not 0xA0 <= payload[1] <= 0xBF:
-        return None
-    n = payload[1] & 0x1F
-    i = 2 + n
-    if len(payload) <= i:
-        return None
-    try:
-        name = bytes(payload[2:i]).decode("ascii")
-    except UnicodeDecodeError:
-        return None
-    tag = payload[i]
-    if tag <= 0x7F:
-        return name, tag
-    width = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}.get(tag)
-    if width is None or len(payload) < i + 1 + width:
-        return None
-    return name, int.from_bytes(payload[i + 1 : i + 1 + width], "big")
-
-
-def new_client_id() -> str:
-    return uuid.uuid4().hex
