@@ -65,6 +65,7 @@ class ClusterState:
         self.pool_stats: dict = {}
         self._pool_checked = 0.0
         self.processes: dict[str, dict] = {}  # what a launcher started: name -> {pid, ...}
+        self.directory: str | None = None  # the pool's segment directory, if a launcher ran it
         self.namespace: str | None = None
         self.block_size = 16
         self.block_bytes = 0
@@ -227,4 +228,5 @@ class ClusterState:
             })  # fmt: skip
         store = {"up": self.pool_up, **self.pool_stats} if self.store is not None else None
         return {"workers": workers, "store": store, "namespace": self.namespace,
-                "block_size": self.block_size, "processes": self.processes}  # fmt: skip
+                "block_size": self.block_size, "processes": self.processes,
+                "directory": self.directory}  # fmt: skip

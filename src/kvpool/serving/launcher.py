@@ -183,8 +183,7 @@ def launch(args: argparse.Namespace, token: str | None) -> int:
             for c in children
             if c.proc is not None
         }
-        if meta is not None:  # in this process: the segment directory of the pool
-            conductor.cluster.processes["directory"] = {"pid": os.getpid(), "url": meta.url}
+        conductor.cluster.directory = meta.url if meta is not None else None
         _wait_all_alive(conductor, len(workers))
 
         def ready() -> None:

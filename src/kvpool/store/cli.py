@@ -192,7 +192,7 @@ def _node(args: argparse.Namespace) -> int:
             collectors, lambda: {"status": "ok", **node.stats()}, "127.0.0.1", args.metrics_port
         )
     ready = {"ready": True, "node_id": node_id, "segment": node.segment_name,
-             "metrics_port": _port(metrics)}  # fmt: skip
+             "rpc": node.rpc.address, "metrics_port": _port(metrics)}  # fmt: skip
     stop = _stop_event()
     print(json.dumps(ready), flush=True)
     stop.wait()

@@ -57,7 +57,7 @@ class RpcCollector(Collector):
         if server is None:
             return
         stats = server.stats
-        for name in ("calls", "errors", "malformed"):
+        for name in ("calls", "errors", "malformed", "auth_failures", "dropped"):
             yield CounterMetricFamily(f"kvpool_rpc_{name}", f"RPC {name}", stats.get(name, 0))
         buckets, total = server.latency.buckets()
         hist = HistogramMetricFamily("kvpool_rpc_latency_seconds", "RPC handler time per call")
