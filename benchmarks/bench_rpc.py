@@ -33,7 +33,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Results, log
 
-from kvpool.common.rpc import PROTOCOL_VERSION, RpcClient, RpcServer, pack, unpack
+from kvpool.common.rpc import RpcClient, RpcServer, pack, unpack
 
 ARGS = [7, "block-key", b"\x00" * 16]
 KWARGS = {"replicas": 2, "pin": False}
@@ -97,7 +97,7 @@ class TcpClient:
 
     def call(self) -> object:
         self.rid += 1
-        body = pack([PROTOCOL_VERSION, self.rid, "noop", ARGS, KWARGS, None])
+        body = pack(["noop", self.rid, ARGS, KWARGS])  # RpcClient's request, byte for byte
         self.sock.sendall(len(body).to_bytes(4, "big") + body)
         header = self.sock.recv(4, socket.MSG_WAITALL)
         return unpack(self.sock.recv(int.from_bytes(header, "big"), socket.MSG_WAITALL))
@@ -117,7 +117,7 @@ class RawClient:
 
     def call(self) -> object:
         self.rid += 1
-        self.sock.send(pack([PROTOCOL_VERSION, self.rid, "noop", ARGS, KWARGS, None]))
+        self.sock.send(pack(["noop", self.rid, ARGS, KWARGS]))
         if not self.sock.poll(5000, zmq.POLLIN):
             raise TimeoutError("raw echo server did not answer")
         return unpack(self.sock.recv())

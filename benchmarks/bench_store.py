@@ -8,7 +8,10 @@ the memory:
   HTTP segment directory (``MetadataServer``, in this process); the client is ``StoreClient``
   with ``TransferConfig(transport="tcp")`` (``kvpool_tcp``: the like-for-like comparison) and
   again with ``transport="auto"`` (``kvpool_shm``: the same-host shared-memory path). Single:
-  ``put`` / ``get_into``; batched: ``batch_put`` / ``batch_get_into``.
+  ``put`` / ``get_into``; batched: ``batch_put`` / ``batch_get_into``. ``kvpool_mac``: a second
+  such pool started with a cluster token, the client over TCP like ``kvpool_tcp``: every value
+  carries a keyed BLAKE3 MAC instead of xxh3 (a feature of kvpool's: its own ratios,
+  ``mac_*_vs_open_*``, never a peer's).
 - Mooncake Store (``peers/mooncake_store_peer.py``, its own virtualenv): ``mooncake_master`` +
   a holder process with a 1 GiB global segment; the client mounts no segment (size 0), over
   TCP. Single: ``put_from`` / ``get_into``; batched: ``batch_put_from`` / ``batch_get_into``
@@ -27,7 +30,8 @@ a sample of gets is checked byte for byte; the first call of each measurement is
 warm-up. ``--json PATH`` writes "figures" (``<system>_<op>_<single|batch>_<size>_<GBps|ops|
 p50_us|p99_us>``, ops = values/s) and "ratios" (kvpool over TCP against a peer, e.g.
 ``get_vs_mooncake_1MiB``, ``batch_put_vs_redis_8MiB``, ``ops_vs_mooncake_4KiB`` = batched gets/s;
-``shm_*``: the same-host path against Mooncake over TCP); ``--plot PATH`` draws GB/s per size.
+``shm_*``: the same-host path against Mooncake over TCP; ``mac_*_vs_open_*``: the token pool
+against the open one); ``--plot PATH`` draws GB/s per size.
 
     .venv/bin/python benchmarks/bench_store.py --quick
     .venv/bin/python benchmarks/bench_store.py --json docs/results/bench_store.json
@@ -62,7 +66,19 @@ POOL_BYTES = GiB  # kvpool node memory and Mooncake's global segment
 WARM_BYTES = 768 * MiB  # touched once before timing (both pools allocate their pages lazily)
 MAX_RESIDENT_KEYS = 8192
 LOGS = CACHE / "store-logs"
-SYSTEMS = ("kvpool_tcp", "kvpool_shm", "mooncake", "redis")
+SYSTEMS = ("kvpool_tcp", "kvpool_shm", "kvpool_mac", "mooncake", "redis")
+MAC_TOKEN, MAC_ADMIN = "bench-store-cluster-token", "bench-store-admin-token"
+_TOKEN_VARS = ("KVPOOL_AUTH_TOKEN", "KVPOOL_AUTH_TOKEN_FILE", "KVPOOL_ADMIN_TOKEN",
+               "KVPOOL_ADMIN_TOKEN_FILE")  # fmt: skip
+
+
+def pool_env(token: str | None) -> dict:
+    """The environment of a pool's processes and drivers: ``token`` (with the admin token, for
+    the benchmark's removes), or none at all whatever the caller's shell has."""
+    env = {k: v for k, v in os.environ.items() if k not in _TOKEN_VARS}
+    if token:
+        env.update(KVPOOL_AUTH_TOKEN=token, KVPOOL_ADMIN_TOKEN=MAC_ADMIN)
+    return env
 
 
 def batch_for(size: int) -> int:
@@ -244,11 +260,12 @@ class KvpoolStore:
     """The workload's adapter for kvpool's ``StoreClient``."""
 
     def __init__(self, master: str, directory: str, transport: str, lease_cache: bool) -> None:
+        from kvpool.common import auth
         from kvpool.config import TransferConfig
         from kvpool.store import StoreClient
 
         self.client = StoreClient(master, TransferConfig(directory=directory, transport=transport),
-                                  lease_cache=lease_cache)  # fmt: skip
+                                  lease_cache=lease_cache, admin_token=auth.admin_token())  # fmt: skip
         self.mv: memoryview | None = None
 
     def alloc(self, nbytes: int) -> memoryview:
@@ -292,14 +309,17 @@ def kvpool_driver(cfg: dict) -> dict:
 
 
 class KvpoolPool:
-    """An HTTP segment directory (here), ``kvpool store master`` and one storage node."""
+    """An HTTP segment directory (here), ``kvpool store master`` and one storage node; with
+    ``token``, all of them (and the drivers, ``env``) hold it."""
 
-    def __init__(self) -> None:
+    def __init__(self, token: str | None = None) -> None:
         from kvpool.transfer.metadata_server import MetadataServer
 
         LOGS.mkdir(parents=True, exist_ok=True)
         self.procs: list[subprocess.Popen] = []
-        self.meta = MetadataServer()
+        self.token, self.env = token, pool_env(token)
+        self.tag = "mac-" if token else ""
+        self.meta = MetadataServer(token=token or "")
         self.directory = self.meta.url
         try:
             master = self._start("master", "store", "master", "--port", "0")
@@ -307,7 +327,7 @@ class KvpoolPool:
             self._start(
                 "node",
                 *("store", "node", "--master", self.master, "--memory", str(POOL_BYTES)),
-                *("--node-id", "bench-holder", "--directory", self.directory),
+                *("--node-id", f"bench-{self.tag}holder", "--directory", self.directory),
             )
             self._warm()
         except BaseException:
@@ -315,9 +335,9 @@ class KvpoolPool:
             raise
 
     def _start(self, name: str, *argv: str) -> dict:
-        err = (LOGS / f"kvpool-{name}.log").open("w")
+        err = (LOGS / f"kvpool-{self.tag}{name}.log").open("w")
         cmd = [sys.executable, "-m", "kvpool.cli", *argv, "--log-level", "warning"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=self.env)
         self.procs.append(proc)
         line = proc.stdout.readline()
         if not line:
@@ -330,7 +350,9 @@ class KvpoolPool:
 
         block = bytes(32 * MiB)
         keys = [f"warm/{i}" for i in range(WARM_BYTES // len(block))]
-        with StoreClient(self.master, TransferConfig(directory=self.directory)) as c:
+        config = TransferConfig(directory=self.directory, auth_token=self.token or "")
+        with StoreClient(self.master, config, token=self.token or "",
+                         admin_token=MAC_ADMIN if self.token else None) as c:  # fmt: skip
             for k in keys:
                 c.put(k, block)
             for k in keys:
@@ -423,6 +445,9 @@ def aggregate(res: Results, rounds: list[dict[str, dict]], labels: list[str]) ->
             ratio(f"ops_vs_{peer}_4KiB", "kvpool_tcp", peer, "get_batch_4KiB", "ops")
     for op in OPS:
         for label in labels:
+            ratio(f"mac_{op}_vs_open_{label}", "kvpool_mac", "kvpool_tcp", f"{op}_single_{label}")
+            ratio(f"mac_batch_{op}_vs_open_{label}", "kvpool_mac", "kvpool_tcp",
+                  f"{op}_batch_{label}")  # fmt: skip
             ratio(f"shm_{op}_vs_mooncake_{label}", "kvpool_shm", "mooncake", f"{op}_single_{label}")
             ratio(
                 f"shm_batch_{op}_vs_mooncake_{label}",
@@ -454,7 +479,8 @@ def print_table(res: Results, labels: list[str], present: list[str]) -> None:
                 print(
                     f"  {op + ' ' + mode + ' ' + label:<20}  " + "  ".join(f"{x:>30}" for x in row)
                 )
-    print("  ratios (kvpool over TCP / peer; shm_: same-host path / Mooncake TCP):")
+    print("  ratios (kvpool over TCP / peer; shm_: same-host path / Mooncake TCP; mac_: the "
+          "token pool / the open one):")  # fmt: skip
     for k, v in res.ratios.items():
         print(f"  {k:<32} {v:>8.2f}x")
 
@@ -489,14 +515,15 @@ def plot(res: Results, labels: list[str], path: str) -> None:
     names = {
         "kvpool_tcp": "kvpool (TCP)",
         "kvpool_shm": "kvpool (same-host shm)",
+        "kvpool_mac": "kvpool (TCP, token: MACs)",
         "mooncake": "Mooncake Store (TCP)",
         "redis": "Redis (TCP)",
     }
-    width = 0.2
+    width = 0.8 / len(SYSTEMS)
     for ax, (op, mode) in zip(axes.flat, [(o, m) for o in OPS for m in MODES], strict=True):
         for i, system in enumerate(SYSTEMS):
             vals = [res.figures.get(f"{system}_{op}_{mode}_{lab}_GBps", 0.0) for lab in labels]
-            xs = [x + (i - 1.5) * width for x in range(len(labels))]
+            xs = [x + (i - (len(SYSTEMS) - 1) / 2) * width for x in range(len(labels))]
             ax.bar(xs, vals, width, label=names[system])
         what = "single calls" if mode == "single" else "batches of 64 (<1 MiB) / 16 (>=1 MiB)"
         ax.set_title(f"{op}: {what}", fontsize=10)
@@ -570,7 +597,7 @@ def main() -> None:
     import mooncake_store_peer as mc
     import redis_peer as rd
 
-    pool = moon = red = None
+    pool = mac = moon = red = None
     runners: dict[str, tuple] = {}  # system -> (cfg -> driver argv, env)
     try:
         if {"kvpool_tcp", "kvpool_shm"} & set(systems):
@@ -579,7 +606,11 @@ def main() -> None:
             log(f"kvpool: master {pool.master}, directory {pool.directory}; pool warmed")
             for system, transport in (("kvpool_tcp", "tcp"), ("kvpool_shm", "auto")):
                 if system in systems:
-                    runners[system] = (partial(pool.driver_cmd, transport), None)
+                    runners[system] = (partial(pool.driver_cmd, transport), pool.env)
+        if "kvpool_mac" in systems:
+            log("kvpool: starting a second pool with a cluster token (keyed MACs)")
+            mac = KvpoolPool(MAC_TOKEN)
+            runners["kvpool_mac"] = (partial(mac.driver_cmd, "tcp"), mac.env)
         if "mooncake" in systems:
             moon = mc.MooncakeStorePool.start(POOL_BYTES, WARM_BYTES, LOGS)
             if moon is None:
@@ -614,7 +645,7 @@ def main() -> None:
                         res.args.update(out.get("info", {}))
             rounds.append(got)
     finally:
-        for server in (red, moon, pool):
+        for server in (red, moon, mac, pool):
             if server is not None:
                 server.close()
 
@@ -629,6 +660,8 @@ def main() -> None:
         "get_vs_redis_1MiB",
         "ops_vs_mooncake_4KiB",
         "shm_get_vs_mooncake_1MiB",
+        "mac_get_vs_open_1MiB",
+        "mac_put_vs_open_1MiB",
     ):
         if key in res.ratios:
             log(f"{key} = {res.ratios[key]:.2f}x")
