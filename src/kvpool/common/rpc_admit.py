@@ -51,8 +51,8 @@ class Connection:
     """One client connection of an RpcServer: its socket, unparsed input, unsent output, and
     how far it got (handshake deadline, proven role, partial frame)."""
 
-    __slots__ = ("client_id", "closing", "deadline", "inbuf", "mask", "nonce", "outbuf",
-                 "peer", "pending", "ready", "reserved", "role", "sock")  # fmt: skip
+    __slots__ = ("closing", "ctx", "deadline", "inbuf", "mask", "nonce", "outbuf", "peer",
+                 "pending", "ready", "reserved", "sock")  # fmt: skip
 
     def __init__(self, sock: socket.socket, peer: str, deadline: float) -> None:
         self.sock = sock
@@ -64,8 +64,7 @@ class Connection:
         self.ready = False  # handshake done
         self.nonce = auth.new_nonce()
         self.deadline: float | None = deadline  # handshake, or a partial frame's idle limit
-        self.role = ""
-        self.client_id = ""
+        self.ctx = CallContext("", "", peer)  # who it proved to be (its calls' context)
         self.pending = 0  # its requests on the worker pool
         self.reserved = 0  # bytes of the global buffer budget its partial frame holds
 
@@ -85,6 +84,9 @@ class Admitted:
     client_id: str
     welcome: bytes  # the reply to send: [true, server proof or nil, role]
 
+    def context(self, peer: str) -> CallContext:
+        return CallContext(self.client_id, self.role, peer)
+
 
 @dataclass(frozen=True, slots=True)
 class Gate:
@@ -100,7 +102,7 @@ class Gate:
                 if t}  # fmt: skip
         return cls(keys, token is None)
 
-    def hello(self, payload: memoryview, server_nonce: bytes) -> Admitted:
+    def hello(self, payload: bytes | memoryview, server_nonce: bytes) -> Admitted:
         """The client's ``[version, nonce, role, proof, client_id]``: admitted, or Refused."""
         try:
             msg = unpack(payload, HELLO)
@@ -132,24 +134,41 @@ class Gate:
         return Admitted(granted, client_id, pack([True, reply_proof, granted]))
 
 
-def parse_request(payload: memoryview, methods: dict[str, Method], ctx: CallContext) -> Call:
-    """The call in ``payload``: its method and id are read from the first bytes, the rest is
-    decoded only within that method's limits (else Refused, with the id when it was read)."""
-    head = peek(payload)
-    if head is None:
-        raise Refused(ProtocolError("request must be [method, id, args, kwargs]"))
-    name, rid = head
-    method = methods.get(name)
-    if method is None:
-        raise Refused(BadRequestError(f"unknown method {name!r}"), rid)
-    limit = method.limits.max_bytes
-    if len(payload) > limit:
-        raise Refused(PayloadTooLargeError(
-            f"request to {name} of {len(payload)} bytes exceeds its limit of {limit}"), rid)  # fmt: skip
-    try:
-        msg = unpack(payload, method.limits)
-    except Exception as exc:
-        raise Refused(ProtocolError(f"request to {name} not decoded: {exc}"[:200]), rid) from None
+def parse_request(
+    payload: bytes | memoryview, methods: dict[str, Method], ctx: CallContext
+) -> Call:
+    """The call in ``payload``: a short one is decoded at once (it fits every method's limits);
+    of a longer one the method and id are read from the first bytes, and the rest is decoded
+    only within that method's limits (else Refused, with the id when it was read)."""
+    if 2 * len(payload) <= SMALL.max_items:
+        try:
+            msg = unpack(payload)
+        except Exception as exc:
+            raise Refused(ProtocolError(f"request is not msgpack: {exc}"[:200])) from None
+        if not (isinstance(msg, list) and len(msg) == 4 and isinstance(msg[0], str)
+                and is_int(msg[1]) and msg[1] >= 0):  # fmt: skip
+            raise Refused(ProtocolError("request must be [method, id, args, kwargs]"))
+        name, rid = msg[0], msg[1]
+        method = methods.get(name)
+        if method is None:
+            raise Refused(BadRequestError(f"unknown method {name!r}"[:200]), rid)
+    else:
+        head = peek(payload)
+        if head is None:
+            raise Refused(ProtocolError("request must be [method, id, args, kwargs]"))
+        name, rid = head
+        method = methods.get(name)
+        if method is None:
+            raise Refused(BadRequestError(f"unknown method {name!r}"), rid)
+        limit = method.limits.max_bytes
+        if len(payload) > limit:
+            raise Refused(PayloadTooLargeError(
+                f"request to {name} of {len(payload)} bytes exceeds its limit of {limit}"), rid)  # fmt: skip
+        try:
+            msg = unpack(payload, method.limits)
+        except Exception as exc:
+            raise Refused(ProtocolError(f"request to {name} not decoded: {exc}"[:200]),
+                          rid) from None  # fmt: skip
     if not (isinstance(msg, list) and len(msg) == 4 and isinstance(msg[2], list)
             and isinstance(msg[3], dict) and all(isinstance(k, str) for k in msg[3])):  # fmt: skip
         raise Refused(ProtocolError("args must be an array and kwargs a map"), rid)
@@ -159,22 +178,23 @@ def parse_request(payload: memoryview, methods: dict[str, Method], ctx: CallCont
 _UINT = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
 
 
-def peek(payload: memoryview) -> tuple[str, int] | None:
+def peek(payload: bytes | memoryview) -> tuple[str, int] | None:
     """``(method, request id)`` from the first bytes of ``[method, id, args, kwargs]``: a
     fixarray of 4, a fixstr, then a non-negative integer (nothing else is decoded)."""
-    if len(payload) < 3 or payload[0] != 0x94 or not 0xA0 <= payload[1] <= 0xBF:
+    head = bytes(payload[:44])  # the most a method name and an id take
+    if len(head) < 3 or head[0] != 0x94 or not 0xA0 <= head[1] <= 0xBF:
         return None
-    i = 2 + (payload[1] & 0x1F)
-    if len(payload) <= i:
+    i = 2 + (head[1] & 0x1F)
+    if len(head) <= i:
         return None
     try:
-        name = bytes(payload[2:i]).decode("ascii")
+        name = head[2:i].decode("ascii")
     except UnicodeDecodeError:
         return None
-    tag = payload[i]
+    tag = head[i]
     if tag <= 0x7F:
         return name, tag
-    width = _UINT.get(tag)
-    if width is None or len(payload) < i + 1 + width:
+    width = _UINT.get(tag, 0)
+    if not width or len(head) < i + 1 + width:
         return None
-    return name, int.from_bytes(payload[i + 1 : i + 1 + width], "big")
+    return name, int.from_bytes(head[i + 1 : i + 1 + width], "big")

@@ -26,7 +26,7 @@ from kvpool.common import auth
 from kvpool.common.errors import BackpressureError, KVPoolError, PayloadTooLargeError
 from kvpool.common.net import is_loopback
 from kvpool.common.rpc_admit import Connection, Gate, Refused, ServerLimits, parse_request
-from kvpool.common.rpc_dispatch import Call, CallContext, LatencyHistogram, execute, method_table
+from kvpool.common.rpc_dispatch import Call, LatencyHistogram, execute, method_table
 from kvpool.common.rpc_wire import (
     HEADER,
     MAGIC,
@@ -252,12 +252,15 @@ class RpcServer:
                 return
             if end - start - 4 < size:
                 break
-            with memoryview(buf) as view:  # decoded in place: no copy of the payload
-                payload = view[start + 4 : start + 4 + size]
-                try:
-                    self._dispatch(conn, payload) if conn.ready else self._hello(conn, payload)
-                finally:
-                    payload.release()
+            if size <= SMALL.max_bytes:  # a copy costs less than a view here
+                self._handle(conn, bytes(buf[start + 4 : start + 4 + size]))
+            else:
+                with memoryview(buf) as view:  # decoded in place: no copy of a large payload
+                    payload = view[start + 4 : start + 4 + size]
+                    try:
+                        self._handle(conn, payload)
+                    finally:
+                        payload.release()
             start += 4 + size
             self._buffer_budget += conn.reserved
             conn.reserved = 0
@@ -287,7 +290,13 @@ class RpcServer:
 
     # -- the handshake, then requests ---------------------------------------------------------
 
-    def _hello(self, conn: Connection, payload: memoryview) -> None:
+    def _handle(self, conn: Connection, payload: bytes | memoryview) -> None:
+        if conn.ready:
+            self._dispatch(conn, payload)
+        else:
+            self._hello(conn, payload)
+
+    def _hello(self, conn: Connection, payload: bytes | memoryview) -> None:
         try:
             admitted = self._gate.hello(payload, conn.nonce)
         except Refused as refused:
@@ -296,13 +305,12 @@ class RpcServer:
             return
         conn.ready, conn.deadline = True, None
         self._unauthenticated -= 1
-        conn.role, conn.client_id = admitted.role, admitted.client_id
+        conn.ctx = admitted.context(conn.peer)
         self._send(conn, admitted.welcome)
 
-    def _dispatch(self, conn: Connection, payload: memoryview) -> None:
+    def _dispatch(self, conn: Connection, payload: bytes | memoryview) -> None:
         try:
-            call = parse_request(payload, self._methods,
-                                 CallContext(conn.client_id, conn.role, conn.peer))  # fmt: skip
+            call = parse_request(payload, self._methods, conn.ctx)
         except Refused as refused:
             self._reject(conn, refused.request_id, refused.error)
             return

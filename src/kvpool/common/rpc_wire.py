@@ -66,7 +66,9 @@ def _no_ext(code: int, data: bytes) -> Any:
 def unpack(data: Any, limits: Limits | None = None) -> Any:
     """msgpack-decode ``data`` (bytes or a buffer); with ``limits``, refuse (``ValueError``)
     any string, array or map over them and stop as soon as the element budget runs out."""
-    if limits is None:
+    # each value costs a byte at least and is counted at most twice (in its container, and as
+    # a container): a message this short cannot run out of budget, and needs no counting
+    if limits is None or 2 * len(data) <= limits.max_items:
         return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_no_ext)
     left = limits.max_items
 
