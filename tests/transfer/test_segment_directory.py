@@ -193,6 +193,7 @@ def test_http_service_token():
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(req, timeout=5)  # the raw token is not the bearer
         assert info.value.code == 401
+        ok.close()  # withdraws its entry and stops renewing it
     with pytest.raises(ValueError):
         MetadataServer(host="0.0.0.0")
 
