@@ -88,7 +88,9 @@ class TransferConfig:
     host: str = "127.0.0.1"  # where the TCP server binds
     port: int = 0  # 0: any free port
     advertise_host: str | None = None  # the address peers dial; default: host
-    directory: str = "memory"  # memory | http://HOST:PORT | etcd://HOST:PORT[,HOST:PORT]
+    # memory | rpc://HOST:PORT | http://HOST:PORT | etcd://HOST:PORT[,HOST:PORT]; None: the
+    # store master's when a store client or node makes the engine, else memory
+    directory: str | None = None
     transport: str = "auto"  # auto: shared memory for same-host peers, TCP otherwise
     auth_token: str | None = None  # default: the environment's (auth.cluster_token); "" none
     num_streams: int = 2  # TCP connections per peer that large requests are striped over
@@ -144,6 +146,8 @@ class MasterConfig:
     put_min_rate: int | str = "32MiB"  # ... revoked and its space reclaimed; bytes per second
     max_pending_bytes: int | str = "1GiB"  # per client: bytes of puts started and not ended
     node_ttl: float = 10.0  # a node silent for this long is dropped with its replicas
+    node_suspect_after: float | None = None  # silent this long: a put may replace its objects
+    # (default: 3 missed heartbeats, at most node_ttl)
     half_life: float = 60.0  # access-frequency decay (eviction heat)
     cooldown: float = 5.0  # a just-moved object is not moved again before this
     max_object_bytes: int | str = "256MiB"
@@ -158,8 +162,12 @@ class MasterConfig:
             raise ValueError(f"replicas must be in [1, {MAX_REPLICAS}]")
         if not 0 < self.low_watermark < self.high_watermark <= 1:
             raise ValueError("need 0 < low_watermark < high_watermark <= 1")
-        for name in ("lease_ttl", "put_timeout", "node_ttl", "half_life"):
+        if self.node_suspect_after is None:
+            self.node_suspect_after = min(3.0, self.node_ttl)
+        for name in ("lease_ttl", "put_timeout", "node_ttl", "half_life", "node_suspect_after"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.node_suspect_after > self.node_ttl:
+            raise ValueError("node_suspect_after must be <= node_ttl")
         if self.cooldown < 0 or self.max_object_bytes < 1:
             raise ValueError("cooldown must be >= 0 and max_object_bytes >= 1")

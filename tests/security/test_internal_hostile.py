@@ -6,12 +6,9 @@ pool's objects keep their owners."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 import time
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
@@ -19,6 +16,7 @@ from conftest import Cluster, closed_within
 from raw_rpc import frame, raw_conn, read_frame, request
 
 from kvpool.common.errors import (
+    AlreadyExistsError,
     AuthError,
     BadRequestError,
     ForbiddenError,
@@ -53,23 +51,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def directory(c: Cluster, method: str, path: str, body: dict | None = None,
-              headers: dict | None = None) -> tuple[int, dict]:  # fmt: skip
-    url = c.doc["directory"] + path
-    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
-                                 method=method, headers={**c.internal, **(headers or {})})  # fmt: skip
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-
-
 def node_descriptor(c: Cluster) -> dict:
-    code, body = directory(c, "GET", "/v1/segments")
-    assert code == 200
+    assert c.doc["directory"] == f"rpc://{master(c)}"  # the master serves the directory
+    with member(c, master(c)) as rpc:
+        listed = rpc.call("dir_list")
     segment = c.process("store-node")["segment"]
-    return next(d for d in body["segments"] if d["name"] == segment)
+    return next(d for d in listed if d["name"] == segment)
 
 
 def member(c: Cluster, address: str) -> RpcClient:
@@ -91,8 +78,6 @@ def test_strangers_are_refused_everywhere(alive):
         for token in ["", "wrong-token"]:
             with RpcClient(address, token=token, timeout=5) as c, pytest.raises(AuthError):
                 c.call("stats")  # "status" on workers: refused before the method matters
-    for headers in [{"Authorization": ""}, {"Authorization": f"Bearer {alive.token}"}]:
-        assert directory(alive, "GET", "/v1/segments", headers=headers)[0] == 401
     desc = node_descriptor(alive)
     with socket.create_connection((desc["host"], desc["port"]), timeout=10) as s:
         s.sendall(P.HELLO.pack(P.MAGIC, P.VERSION, 0, bytes(16)))
@@ -209,8 +194,7 @@ def test_transfer_servers_refuse_bad_frames_and_bounds(alive):
         s.sendall(P.HELLO.pack(P.MAGIC, 1, 0, bytes(16)))  # v1 sent the token in clear
         assert P.CHALLENGE.unpack(s.recv(P.CHALLENGE.size))[1] == P.Status.BAD_VERSION
     if alive.token is None:  # a peer reads only inside the segment
-        te = TransferEngine(TransferConfig(transport="tcp",
-                                           directory=alive.doc["directory"]))  # fmt: skip
+        te = TransferEngine(TransferConfig(transport="tcp", directory=alive.doc["directory"]))
         try:
             buf = np.zeros(4096, np.uint8)
             with pytest.raises(BadRequestError, match="outside"):
@@ -223,18 +207,21 @@ def test_transfer_servers_refuse_bad_frames_and_bounds(alive):
 
 def test_the_directory_trusts_no_descriptor(alive):
     real = node_descriptor(alive)
-    key = {"X-KVPool-Owner-Key": "k" * 32}
+    key = "k" * 32
     forged = [{"shm_name": "../../home/user/.bashrc"}, {"shm_name": "/etc/passwd"},
               {"host": "10.9.9.9"}, {"port": 70000}, {"segment_id": -1}]  # fmt: skip
-    for change in forged:
-        code, body = directory(alive, "PUT", "/v1/segments/sec-evil",
-                               {**real, "name": "sec-evil", **change}, key)  # fmt: skip
-        assert code == 400, (change, body)
-    # the node's own entry: not replaced (its owner id is public, its key is not) ...
-    code, _ = directory(alive, "PUT", f"/v1/segments/{real['name']}", {**real, "port": 1}, key)
-    assert code == 409
-    # ... and not withdrawn
-    assert directory(alive, "DELETE", f"/v1/segments/{real['name']}", headers=key)[0] == 404
+    with member(alive, master(alive)) as rpc:
+        for change in forged:
+            with pytest.raises(BadRequestError):
+                rpc.call("dir_put", {**real, "name": "sec-evil", **change}, key, 10)
+        for bad_key in ["", "short", 5, "k" * 500]:
+            with pytest.raises(BadRequestError, match="owner_key"):
+                rpc.call("dir_put", {**real, "name": "sec-evil2"}, bad_key, 10)
+        # the node's own entry: not replaced (its owner id is public, its key is not) ...
+        with pytest.raises(AlreadyExistsError):
+            rpc.call("dir_put", {**real, "port": 1}, key, 10)
+        # ... and not withdrawn
+        assert rpc.call("dir_delete", real["name"], key) is False
     assert node_descriptor(alive) == real
 
 

@@ -96,7 +96,7 @@ def test_cluster_config_file_fills_defaults_and_the_command_line_wins(tmp_path):
     cli_serve.apply_config_file(args)
     assert args.prefill == 3  # the command line wins
     assert (args.store_memory, args.policy, args.prefill_chunk) == ("2GiB", "least_load", 64)
-    pool, workers = plan(args, "http://127.0.0.1:1")
+    pool, workers = plan(args)
     assert [c.name for c in pool] == ["store-master", "store-node"]
     assert [w.name for w in workers] == ["prefill-1", "prefill-2", "prefill-3", "decode-1"]
     argv = workers[0].argv
@@ -106,7 +106,7 @@ def test_cluster_config_file_fills_defaults_and_the_command_line_wins(tmp_path):
     assert decode[len(decode) - 1 - decode[::-1].index("--max-num-batched-tokens") + 1] == "2048"
     assert "2GiB" in pool[1].argv
     colocated = cli.build_parser().parse_args(["serve", "--colocated", "2"])
-    pool, workers = plan(colocated, "")
+    pool, workers = plan(colocated)
     assert pool == [] and [w.name for w in workers] == ["both-1", "both-2"]
     assert all("--store" not in w.argv for w in workers)
 

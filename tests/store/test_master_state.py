@@ -12,6 +12,7 @@ from kvpool.common.errors import (
     LeaseExpiredError,
     NoSpaceError,
     NotFoundError,
+    PutInProgressError,
 )
 from kvpool.config import MasterConfig
 from kvpool.store.master.objects import ObjectState, Replica, Tier
@@ -44,8 +45,8 @@ def test_two_phase_put_is_invisible_until_it_ends(clock):
     assert not s.exists("k")
     with pytest.raises(NotFoundError):
         s.get("k")
-    with pytest.raises(AlreadyExistsError):
-        s.put_start("k", 1000)  # in flight counts as existing
+    with pytest.raises(PutInProgressError):
+        s.put_start("k", 1000)  # in flight: not "already exists" (nothing readable yet)
     with pytest.raises(NotFoundError):
         s.put_end("k", meta.put_id + 1, 42)  # another put id: not this client's put
     with pytest.raises(BadRequestError):

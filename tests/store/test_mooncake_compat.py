@@ -238,7 +238,7 @@ def test_unsupported_methods_are_explicit():
 
 
 def test_directory_url_mapping():
-    assert directory_url("P2PHANDSHAKE") == "memory"
+    assert directory_url("P2PHANDSHAKE") is None  # the master's own directory
     assert directory_url("http://10.0.0.1:8080/metadata") == "http://10.0.0.1:8080"
     assert directory_url("http://h:8080/") == "http://h:8080"
     assert directory_url("etcd://h:2379") == "etcd://h:2379"

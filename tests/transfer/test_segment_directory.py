@@ -14,6 +14,7 @@ import pytest
 
 from kvpool.common.errors import AlreadyExistsError, BadRequestError, KVPoolError
 from kvpool.common.etcd import EtcdClient, prefix_end
+from kvpool.common.net import host_matches
 from kvpool.transfer.metadata import (
     OWNER_KEY_HEADER,
     DescriptorTable,
@@ -23,7 +24,7 @@ from kvpool.transfer.metadata import (
     open_directory,
     wait_for,
 )
-from kvpool.transfer.metadata_server import MetadataServer, host_matches
+from kvpool.transfer.metadata_server import MetadataServer
 from kvpool.transfer.segment import SegmentDescriptor, boot_id
 
 
@@ -74,14 +75,35 @@ def test_http_directory(metadata):
     exercise(HttpDirectory(metadata.url), HttpDirectory(metadata.url))
 
 
+@pytest.fixture
+def rpc_directory():
+    """A directory served over RPC, as the store master serves it."""
+    from kvpool.common.rpc import RpcServer
+    from kvpool.transfer.directory_service import DirectoryService
+
+    with RpcServer(DirectoryService(), token="") as srv:
+        yield f"rpc://{srv.address}"
+
+
+def test_rpc_directory(rpc_directory):
+    exercise(open_directory(rpc_directory), open_directory(rpc_directory))
+    d = open_directory(rpc_directory)
+    with pytest.raises(BadRequestError, match="host"):
+        d.publish(desc("far", host="10.99.1.2"))  # not the caller's address
+    with pytest.raises(BadRequestError, match="shm_name"):
+        d.publish(desc("evil", shm_name="../x"))
+    d.close()
+
+
 def test_etcd_directory(etcd):
     exercise(EtcdDirectory(etcd.endpoint), EtcdDirectory(etcd.endpoint), keyed=False)
 
 
-@pytest.mark.parametrize("backend", ["memory", "http", "etcd"])
-def test_a_dead_owners_name_is_handed_over(backend, metadata, etcd):
+@pytest.mark.parametrize("backend", ["memory", "rpc", "http", "etcd"])
+def test_a_dead_owners_name_is_handed_over(backend, metadata, etcd, rpc_directory):
     table = DescriptorTable()
     make = {"memory": lambda: InProcessDirectory(table),
+            "rpc": lambda: open_directory(rpc_directory),
             "http": lambda: HttpDirectory(metadata.url),
             "etcd": lambda: EtcdDirectory(etcd.endpoint)}[backend]  # fmt: skip
     a, b = make(), make()

@@ -114,6 +114,14 @@ class ConnectionLostError(UnavailableError):
     """A control-plane peer could not be reached, or dropped the connection mid-call."""
 
 
+class PutInProgressError(KVPoolError):
+    """Another put of the same key has started and not ended: nothing is readable yet (never
+    reported as "already exists", which only ever means a complete object)."""
+
+    http_status = 409
+    error_type = "conflict_error"
+
+
 class AuthError(KVPoolError):
     """A missing or wrong shared secret (the cluster token, the admin token or an API key), or
     a peer that could not prove it holds the cluster token."""

@@ -55,6 +55,7 @@ from kvpool.common.rpc_dispatch import (
     LatencyHistogram,
     current_call,
     rpc_method,
+    rpc_methods,
 )
 from kvpool.common.rpc_server import MAX_REPLY, RpcServer
 from kvpool.common.rpc_wire import (
@@ -87,5 +88,6 @@ __all__ = [
     "error_from_body",
     "pack",
     "rpc_method",
+    "rpc_methods",
     "unpack",
 ]

@@ -234,6 +234,11 @@ class RpcClient:
             self._reset()
             self._host, self._port, self.address = host, port, address
 
+    def disconnect(self) -> None:
+        """Release the connection; a later call opens a new one."""
+        with self._lock:
+            self._reset()
+
     def close(self) -> None:
         """Release the connection; later calls raise KVPoolError (idempotent)."""
         with self._lock:

@@ -69,6 +69,20 @@ def _signature(fn: Callable) -> inspect.Signature | None:
         return None
 
 
+def rpc_methods(*handlers: Any) -> dict[str, Callable]:
+    """The ``@rpc_method`` methods of several objects as one ``name -> method`` dict (for one
+    RpcServer serving them all; the marks travel with the bound methods)."""
+    out: dict[str, Callable] = {}
+    for handler in handlers:
+        for name in dir(type(handler)):
+            raw = inspect.getattr_static(type(handler), name, None)
+            if not name.startswith("_") and getattr(getattr(raw, "__func__", raw), MARK, None):
+                if name in out:
+                    raise ValueError(f"two handlers expose an RPC method {name!r}")
+                out[name] = getattr(handler, name)
+    return out
+
+
 def method_table(handler: Any, max_bytes: int) -> dict[str, Method]:
     """The methods of a ``name -> callable`` dict (``SMALL`` limits unless the callable is
     marked) or of an object's ``@rpc_method`` methods, with limits capped at ``max_bytes``."""

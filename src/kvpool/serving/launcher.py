@@ -1,6 +1,6 @@
 """``kvpool serve``: the embedded single-machine cluster (CLI code: prints are fine).
 
-Starts, in order: a segment directory (in this process), the pool (``kvpool store master`` and
+Starts, in order: the pool (``kvpool store master``, which also serves the segment directory, and
 one ``kvpool store node`` process), the workers (``kvpool worker`` processes: ``--prefill N``
 and ``--decode M``, or ``--colocated N`` engines doing both with local prefix caching only), and
 the conductor in this process on 127.0.0.1:8000. Every child prints a JSON line when ready;
@@ -81,29 +81,15 @@ class Child:
             self.proc.wait(5)
 
 
-def plan(args: argparse.Namespace, directory: str) -> tuple[list[Child], list[Child]]:
+def plan(args: argparse.Namespace) -> tuple[list[Child], list[Child]]:
     """(pool processes, worker processes) for ``args``; the workers need the master address,
     filled in by ``launch`` once the master is up."""
     log = ["--log-level", "warning"]
     pool: list[Child] = []
     if not args.colocated:
         pool.append(Child("store-master", ["store", "master", "--port", "0", *log]))
-        pool.append(
-            Child(
-                "store-node",
-                [
-                    "store",
-                    "node",
-                    "--master",
-                    "{master}",
-                    "--memory",
-                    args.store_memory,
-                    "--directory",
-                    directory,
-                    *log,
-                ],
-            )
-        )
+        node = ["store", "node", "--master", "{master}", "--memory", args.store_memory, *log]
+        pool.append(Child("store-node", node))  # the master's directory: the default
     roles = ["both"] * args.colocated if args.colocated else \
         ["prefill"] * args.prefill + ["decode"] * args.decode  # fmt: skip
     threads = str(args.threads or max(1, (os.cpu_count() or 2) // max(1, len(roles))))
@@ -127,7 +113,7 @@ def plan(args: argparse.Namespace, directory: str) -> tuple[list[Child], list[Ch
         if role == "prefill" and args.prefill_chunk:
             argv += ["--max-num-batched-tokens", str(args.prefill_chunk)]  # the last one wins
         if not args.colocated:
-            argv += ["--store", "{master}", "--directory", directory]
+            argv += ["--store", "{master}"]
         workers.append(Child(wid, argv))
     return pool, workers
 
@@ -149,10 +135,9 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
 
 def launch(args: argparse.Namespace, token: str | None) -> int:
     from kvpool.conductor.cli import build, serve_conductor
-    from kvpool.transfer.metadata_server import MetadataServer
+    from kvpool.transfer.metadata import directory_for
 
-    meta = MetadataServer(token=token or "") if not args.colocated else None
-    pool, workers = plan(args, meta.url if meta else "")
+    pool, workers = plan(args)
     children: list[Child] = []
     conductor = None
     try:
@@ -183,7 +168,7 @@ def launch(args: argparse.Namespace, token: str | None) -> int:
             for c in children
             if c.proc is not None
         }
-        conductor.cluster.directory = meta.url if meta is not None else None
+        conductor.cluster.directory = directory_for(master) if master else None
         _wait_all_alive(conductor, len(workers))
 
         def ready() -> None:
@@ -204,8 +189,6 @@ def launch(args: argparse.Namespace, token: str | None) -> int:
             conductor.cluster.close()
         for child in reversed(children):
             child.stop()
-        if meta is not None:
-            meta.close()
         print("kvpool serve: stopped", flush=True)
     return 0
 

@@ -36,8 +36,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="store master HOST:PORT or etcd://HOST:PORT (none: local cache only)")  # fmt: skip
     p.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp"])
     p.add_argument("--directory", default=None,
-                   help="segment directory of the pool: http://HOST:PORT or etcd://HOST:PORT "
-                        "(default: etcd://<--etcd> if given)")  # fmt: skip
+                   help="segment directory of the pool: rpc://, http:// or etcd://HOST:PORT "
+                        "(default: etcd://<--etcd> if given, else the store master's)")  # fmt: skip
     p.add_argument("--etcd", default=None, help="etcd endpoints to register in (HOST:PORT,...)")
     cli_serve.add_engine_args(p)
     cli_serve.add_http_args(p)
@@ -90,9 +90,9 @@ def _connector(args: argparse.Namespace, token: str | None, parts: list):
     from kvpool.serving.store_connector import StoreConnector
     from kvpool.store.client import StoreClient
 
-    directory = args.directory or (f"etcd://{args.etcd}" if args.etcd else None)
-    if directory is None:
-        raise KVPoolError("--store needs --directory (or --etcd): where the pool's segments are")
+    directory = args.directory or (
+        f"etcd://{args.etcd}" if args.etcd else None
+    )  # else the master's
     transfer = TransferConfig(host=args.host, transport=args.transport, directory=directory,
                               auth_token=token or "")  # fmt: skip
     client = StoreClient(args.store, transfer, token=token or "")

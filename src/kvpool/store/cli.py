@@ -232,7 +232,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     n.add_argument("--ssd-size", default="0", help="SSD tier budget, e.g. 8GiB")
     n.add_argument("--node-id", default=None)
     n.add_argument("--host", default="127.0.0.1", help="where its transfer server binds")
-    n.add_argument("--directory", default="memory", help="segment directory URL")
+    n.add_argument("--directory", default=None,
+                   help="segment directory URL (default: the master's own, or with "
+                        "--master etcd://... that etcd)")  # fmt: skip
     n.add_argument("--metrics-port", type=int, default=None, help="serve /metrics and /health")
     n.add_argument("--config", default=None, help="YAML file of these settings")
     n.add_argument("--log-level", default="info")

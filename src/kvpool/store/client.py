@@ -29,6 +29,7 @@ from kvpool.config import TransferConfig
 from kvpool.store.lease_cache import LeaseCache
 from kvpool.store.link import MasterLink
 from kvpool.transfer import Op, TransferEngine, TransferRequest
+from kvpool.transfer.metadata import directory_for
 from kvpool.transfer.segment import byte_view
 
 logger = logging.getLogger(__name__)
@@ -62,8 +63,11 @@ def checksum_parts(parts: list, key: str = "", mac_key: bytes | None = None) -> 
     return h.intdigest()
 
 
-def _requests(op: Op, parts: list, replica: dict) -> list[TransferRequest]:
-    """One request per part, at consecutive offsets of the replica."""
+def _requests(op: Op, parts: list, replica: dict, engine: TransferEngine) -> list[TransferRequest]:
+    """One request per part, at consecutive offsets of the replica (``engine`` forgets a cached
+    descriptor of its segment that another owner published: a node that restarted)."""
+    if replica.get("owner"):
+        engine.expect_owner(replica["segment"], replica["owner"])
     out, off = [], replica["offset"]
     for p in parts:
         out.append(TransferRequest(op, p, replica["segment"], off))
@@ -71,12 +75,17 @@ def _requests(op: Op, parts: list, replica: dict) -> list[TransferRequest]:
     return out
 
 
-def transfer_config(config: TransferConfig | None, token: str | None) -> TransferConfig:
-    """``config`` (default: a fresh one) with ``token`` as its auth token unless it has one."""
+def transfer_config(config: TransferConfig | None, token: str | None,
+                    master: str | None = None) -> TransferConfig:  # fmt: skip
+    """``config`` (default: a fresh one) with ``token`` as its auth token unless it has one,
+    and ``master``'s segment directory unless it names one."""
     config = config or TransferConfig(auth_token=token or None)
+    changes: dict = {}
     if token and config.auth_token is None:
-        config = dataclasses.replace(config, auth_token=token)
-    return config
+        changes["auth_token"] = token
+    if config.directory is None and master:
+        changes["directory"] = directory_for(master)
+    return dataclasses.replace(config, **changes) if changes else config
 
 
 class StoreClient:
@@ -98,7 +107,7 @@ class StoreClient:
         token = auth.cluster_token(token)
         self._own_engine = not isinstance(transfer, TransferEngine)
         self.engine = transfer if isinstance(transfer, TransferEngine) else \
-            TransferEngine(transfer_config(transfer, token))  # fmt: skip
+            TransferEngine(transfer_config(transfer, token, master))  # fmt: skip
         self.master = MasterLink(master, token=token or "", timeout=timeout,
                                  admin_token=admin_token)  # fmt: skip
         self.timeout = timeout
@@ -220,11 +229,16 @@ class StoreClient:
                 results[i] = error_from_body(meta["error"])
                 continue
             for r in meta["replicas"]:
-                batch = _requests(Op.WRITE, ps, r)
+                batch = _requests(Op.WRITE, ps, r, self.engine)
                 reqs.extend(batch)
                 owners.extend([i] * len(batch))
-        statuses = self.engine.transfer_statuses(reqs, self.timeout) if reqs else []
-        for i, status in zip(owners, statuses, strict=True):
+        try:
+            statuses = self.engine.transfer_statuses(reqs, self.timeout) if reqs else []
+        except KVPoolError as exc:  # e.g. a replica's segment cannot be resolved: none moved
+            statuses = []
+            for i in set(owners):
+                results[i] = exc
+        for i, status in zip(owners if statuses else [], statuses, strict=True):
             if not status.ok and results[i] is None:
                 results[i] = status.error
         ends = [[keys[i], metas[i]["put_id"], self._checksum(keys[i], parts[i])]
@@ -293,7 +307,9 @@ class StoreClient:
     # -- data path ------------------------------------------------------------------------------
 
     def _write(self, meta: dict, view: memoryview) -> None:
-        reqs = [req for r in meta["replicas"] for req in _requests(Op.WRITE, [view], r)]
+        reqs = [
+            req for r in meta["replicas"] for req in _requests(Op.WRITE, [view], r, self.engine)
+        ]
         try:
             self.engine.transfer(reqs, timeout=self.timeout)
         except KVPoolError:
@@ -313,7 +329,7 @@ class StoreClient:
         last: Exception | None = None
         for r in meta["replicas"]:
             try:
-                self.engine.transfer(_requests(Op.READ, parts, r))
+                self.engine.transfer(_requests(Op.READ, parts, r, self.engine))
             except KVPoolError as exc:
                 last = exc
                 continue
@@ -328,13 +344,17 @@ class StoreClient:
         picks = [(i, m) for i, m in enumerate(metas) if m and views[i] is not None]
         reqs, owners = [], []
         for i, m in picks:
-            batch = _requests(Op.READ, views[i], m["replicas"][0])
+            batch = _requests(Op.READ, views[i], m["replicas"][0], self.engine)
             reqs.extend(batch)
             owners.extend([i] * len(batch))
-        statuses = self.engine.transfer_statuses(reqs, self.timeout) if reqs else []
+        try:
+            statuses = self.engine.transfer_statuses(reqs, self.timeout) if reqs else []
+        except KVPoolError as exc:  # a replica's segment cannot be resolved: try one by one
+            logger.debug("store: batched read failed (%s); reading one by one", exc)
+            statuses = [None] * len(reqs)
         moved = dict.fromkeys((i for i, _ in picks), True)
         for i, status in zip(owners, statuses, strict=True):
-            moved[i] = moved[i] and status.ok
+            moved[i] = moved[i] and status is not None and status.ok
         ok = [False] * len(metas)
         for i, m in picks:
             if moved[i] and self._verified(m, views[i]):

@@ -33,7 +33,7 @@ class EmbeddedStore(StoreClient):
         token = auth.cluster_token(token) or ""
         self.service = MasterService(master_config, token=token, admin_token=admin_token)
         self.server = self.service.serve()
-        engine = TransferEngine(with_token(transfer_config, token))
+        engine = TransferEngine(with_token(transfer_config, token, self.server.address))
         self.node = StorageNode(
             node_id,
             self.server.address,

@@ -5,8 +5,8 @@ argument order and returns (0 or a negative Mooncake ``ErrorCode``; ``b""`` for 
 ``setup(local_hostname, metadata_server, global_segment_size, local_buffer_size, protocol,
 rdma_devices, master_server_addr)``: ``master_server_addr`` is a ``kvpool store master``;
 ``metadata_server`` is the segment directory (``http://H:P[/metadata]`` -> ``http://H:P``,
-``etcd://...``, bare ``H:P[,H:P]`` -> ``etcd://``, ``P2PHANDSHAKE`` -> ``memory``, which reaches
-this process only: several processes need an http/etcd directory); ``global_segment_size`` > 0
+``etcd://...``, bare ``H:P[,H:P]`` -> ``etcd://``, ``P2PHANDSHAKE`` -> the master's own
+directory, which every process that reaches the master reaches too); ``global_segment_size`` > 0
 runs a ``StorageNode`` of that many bytes, 0 is a pure client; ``protocol`` ``"tcp"`` forces TCP,
 anything else (``"rdma"``) means shm on this host, TCP elsewhere (kvpool has no RDMA);
 ``rdma_devices`` and ``local_buffer_size`` are ignored (no staging buffer). A non-loopback
@@ -42,6 +42,7 @@ from kvpool.common.errors import BadRequestError, KVPoolError
 from kvpool.common.net import is_loopback
 from kvpool.config import TransferConfig
 from kvpool.store.client import StoreClient
+from kvpool.store.client import transfer_config as with_master
 from kvpool.store.node import StorageNode
 from kvpool.transfer import TransferEngine
 from kvpool.transfer.segment import byte_view
@@ -49,11 +50,17 @@ from kvpool.transfer.segment import byte_view
 logger = logging.getLogger(__name__)
 
 OK, INTERNAL_ERROR, BUFFER_OVERFLOW, NO_AVAILABLE_HANDLE, INVALID_PARAMS = 0, -1, -10, -200, -600
-OBJECT_NOT_FOUND, OBJECT_ALREADY_EXISTS, OBJECT_HAS_LEASE = -704, -705, -706
+REPLICA_IS_NOT_READY, OBJECT_NOT_FOUND, OBJECT_ALREADY_EXISTS, OBJECT_HAS_LEASE = (
+    -703,
+    -704,
+    -705,
+    -706,
+)
 TRANSFER_FAIL, RPC_FAIL, UNAVAILABLE_IN_CURRENT_STATUS = -800, -900, -1010
 
 _CODES: list[tuple[type[BaseException], int]] = [
     (errors.NotFoundError, OBJECT_NOT_FOUND),
+    (errors.PutInProgressError, REPLICA_IS_NOT_READY),  # another put of it has not ended
     (errors.AlreadyExistsError, OBJECT_ALREADY_EXISTS),
     (errors.LeaseExpiredError, OBJECT_HAS_LEASE),  # kvpool's "remove refused: leased"
     (errors.NoSpaceError, NO_AVAILABLE_HANDLE),
@@ -114,10 +121,13 @@ def _put_code(result: object) -> int:
     return result if isinstance(result, int) else error_code(result)  # type: ignore[arg-type]
 
 
-def directory_url(metadata_server: str) -> str:
-    """kvpool's segment directory URL for a Mooncake ``metadata_server`` value."""
+def directory_url(metadata_server: str) -> str | None:
+    """kvpool's segment directory URL for a Mooncake ``metadata_server`` value (None: the
+    master's own, for ``P2PHANDSHAKE``: peers find each other through the master)."""
     url = metadata_server.strip()
-    if url.upper() == "P2PHANDSHAKE" or url == "memory":
+    if url.upper() == "P2PHANDSHAKE":
+        return None
+    if url == "memory":
         return "memory"
     if url.startswith(("http://", "https://")):
         return url.rstrip("/").removesuffix("/metadata")
@@ -128,7 +138,8 @@ def directory_url(metadata_server: str) -> str:
     raise BadRequestError(f"unsupported metadata_server {metadata_server!r}")
 
 
-def transfer_config(local_hostname: str, metadata_server: str, protocol: str) -> TransferConfig:
+def transfer_config(local_hostname: str, metadata_server: str, protocol: str,
+                    master: str | None = None) -> TransferConfig:  # fmt: skip
     """The transfer engine's config for Mooncake's ``setup`` arguments."""
     if protocol.lower() != "tcp":
         logger.info("mooncake: protocol %r: no RDMA in kvpool, using shm/TCP", protocol)
@@ -136,11 +147,12 @@ def transfer_config(local_hostname: str, metadata_server: str, protocol: str) ->
         host = local_hostname[1 : local_hostname.find("]")]
     else:
         host = local_hostname.split(":")[0] if local_hostname.count(":") == 1 else local_hostname
-    return TransferConfig(
+    config = TransferConfig(
         host="127.0.0.1" if not host or is_loopback(host) else host,
         directory=directory_url(metadata_server),
         transport="tcp" if protocol.lower() == "tcp" else "auto",
     )
+    return with_master(config, None, master)
 
 
 def _address(buf) -> int:
@@ -238,7 +250,7 @@ class MooncakeDistributedStore:
         master = master_server_addr
         if self._client is not None:
             raise _StateError("already set up: close() first")
-        config = transfer_config(local_hostname, metadata_server, protocol)
+        config = transfer_config(local_hostname, metadata_server, protocol, master)
         engine = TransferEngine(config)
         client: StoreClient | None = None
         try:

@@ -9,6 +9,7 @@ master), the node mounts again and reports its index, so the master rebuilds its
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -49,7 +50,10 @@ class StorageNode:
         self.segment_name = f"{node_id}/dram"
         self._own_engine = not isinstance(transfer, TransferEngine)
         self.engine = transfer if isinstance(transfer, TransferEngine) else \
-            TransferEngine(transfer_config(transfer, token))  # fmt: skip
+            TransferEngine(transfer_config(transfer, token, master))  # fmt: skip
+        # which life of the node this is: its segments' owner (a restart starts clean, and
+        # clients drop descriptors of a previous life)
+        self.incarnation = self.engine.owner_id
         self.segment = self.engine.register(self.segment_name, size=memory)
         self.ssd = None
         if ssd_path and ssd_size > 0:  # a file on the SSD, mapped: the OS pages it in and out
@@ -85,7 +89,7 @@ class StorageNode:
             chunks = chunks or [[]]
             # the segment takes no allocation until its last chunk is adopted
             self.master.call("mount", self.node_id, name, tier, size, address, chunks[0],
-                             len(chunks) == 1)  # fmt: skip
+                             len(chunks) == 1, self.incarnation)  # fmt: skip
             for k, chunk in enumerate(chunks[1:], 2):
                 self.master.call("report", self.node_id, chunk,
                                  name if k == len(chunks) else None)  # fmt: skip
@@ -94,7 +98,8 @@ class StorageNode:
 
     def beat(self) -> None:
         """One heartbeat: apply index deltas, or mount again if the master forgot us."""
-        reply = self.master.call("heartbeat", self.node_id, self._ack[0], self._ack[1])
+        reply = self.master.call("heartbeat", self.node_id, self._ack[0], self._ack[1],
+                                 self.incarnation)  # fmt: skip
         if not reply["known"]:
             self._mount()
             return
@@ -139,8 +144,12 @@ class StorageNode:
         self.master.retarget(master)
 
     def close(self) -> None:
+        """Leave the pool: unmount at once (its objects are withdrawn, not left to expire),
+        then free the memory."""
         self._stop.set()
         self._thread.join(timeout=5)
+        with contextlib.suppress(KVPoolError):  # a gone master drops us at node_ttl anyway
+            self.master.rpc.call("unmount", self.node_id, self.incarnation, timeout=2.0)
         self.master.close()
         self.rpc.close()
         if self._own_engine:

@@ -66,7 +66,8 @@ class TransferEngine:
         self._picks: dict[tuple[str, str], str] = {}  # (segment, mode) -> transport
         self._limits: dict[str, Inflight] = {}
         reap_stale_shm()
-        self.directory = directory or open_directory(cfg.directory, cfg.segment_ttl, cfg.auth_token)
+        self.directory = directory or open_directory(cfg.directory or "memory", cfg.segment_ttl,
+                                                     cfg.auth_token)  # fmt: skip
         self.segments = SegmentRegistry(self.directory, self.owner_id)
         self._server = TransferServer(
             self.segments.by_id, cfg.host, cfg.port, cfg.auth_token, self.stats
@@ -102,6 +103,13 @@ class TransferEngine:
 
     def segment(self, name: str) -> Segment:
         return self.segments.get(name)
+
+    def expect_owner(self, name: str, owner: str) -> None:
+        """Forget the cached descriptor of ``name`` unless ``owner`` owns it (someone who knows
+        says the segment now belongs to another process: a peer that restarted)."""
+        desc = self._descs.get(name)
+        if desc is not None and desc.owner_id != owner:
+            self._forget(name)
 
     def resolve(self, name: str) -> SegmentDescriptor:
         """The descriptor of a segment anywhere in the cluster (cached until a failure)."""

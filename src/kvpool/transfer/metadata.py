@@ -1,8 +1,10 @@
 """The segment directory: where engines publish segment descriptors and find each other's.
 
-One interface, three backends, chosen by URL (``TransferConfig.directory``):
+One interface, four backends, chosen by URL (``TransferConfig.directory``):
 
 - ``memory``: a dictionary shared by every engine of this process (single-process use, tests);
+- ``rpc://HOST:PORT``: the directory an RpcServer serves (``directory_service.py``): the store
+  master's, the default of everything that talks to a store master;
 - ``http://HOST:PORT``: the small metadata service of ``metadata_server.py``;
 - ``etcd://HOST:PORT[,HOST:PORT]``: etcd, for several hosts; descriptors live under
   ``/kvpool/segments/<name>`` attached to the owner's lease, so a dead owner's segments vanish
@@ -259,6 +261,40 @@ class HttpDirectory(SegmentDirectory):
         return [SegmentDescriptor.from_dict(d) for d in body.get("segments", [])]
 
 
+class RpcDirectory(SegmentDirectory):
+    """Client of a directory served over RPC (``rpc://HOST:PORT``: the store master's);
+    ``token``: the cluster token (None: from the environment)."""
+
+    def __init__(self, address: str, ttl: float = 10.0, token: str | None = None,
+                 timeout: float = 5.0) -> None:  # fmt: skip
+        from kvpool.common.rpc import RpcClient
+
+        super().__init__(ttl)
+        self.address = address
+        self.rpc = RpcClient(address, token, timeout)
+
+    def _put(self, desc: SegmentDescriptor) -> None:
+        self.rpc.call("dir_put", desc.to_dict(), self.owner_key, self.ttl)
+
+    def _delete(self, desc: SegmentDescriptor) -> None:
+        self.rpc.call("dir_delete", desc.name, self.owner_key)
+
+    def _refresh(self) -> None:
+        for desc in self._own_descriptors():
+            self._put(desc)
+
+    def lookup(self, name: str) -> SegmentDescriptor | None:
+        found = self.rpc.call("dir_get", name)
+        return None if found is None else SegmentDescriptor.from_dict(found)
+
+    def list(self) -> list[SegmentDescriptor]:
+        return [SegmentDescriptor.from_dict(d) for d in self.rpc.call("dir_list")]
+
+    def close(self) -> None:
+        super().close()
+        self.rpc.disconnect()  # lookups still work after close, as with the other backends
+
+
 class EtcdDirectory(SegmentDirectory):
     """Descriptors in etcd under ``/kvpool/segments/``, bound to this owner's lease."""
 
@@ -335,15 +371,26 @@ def _parse(raw: bytes, strict: bool = False) -> SegmentDescriptor | None:
         return None
 
 
+def directory_for(master: str) -> str:
+    """The segment directory that goes with a store master: the master's own
+    (``rpc://HOST:PORT``), or with ``etcd://...`` (masters that fail over) that etcd."""
+    return master if master.startswith("etcd://") else f"rpc://{master}"
+
+
 def open_directory(url: str, ttl: float = 10.0, token: str | None = None) -> SegmentDirectory:
-    """The directory backend for ``memory``, ``http://HOST:PORT`` or ``etcd://HOST:PORT,...``."""
+    """The directory backend for ``memory``, ``rpc://HOST:PORT``, ``http://HOST:PORT`` or
+    ``etcd://HOST:PORT,...``."""
     if url == "memory":
         return InProcessDirectory()
+    if url.startswith("rpc://"):
+        return RpcDirectory(url[len("rpc://") :], ttl=ttl, token=token)
     if url.startswith(("http://", "https://")):
         return HttpDirectory(url, ttl=ttl, token=token)
     if url.startswith("etcd://"):
         return EtcdDirectory(url[len("etcd://") :], ttl=ttl)
-    raise BadRequestError(f"unknown segment directory {url!r} (memory, http://..., etcd://...)")
+    raise BadRequestError(
+        f"unknown segment directory {url!r} (memory, rpc://..., http://..., etcd://...)"
+    )
 
 
 def wait_for(directory: SegmentDirectory, name: str, timeout: float = 10.0) -> SegmentDescriptor:

@@ -15,12 +15,9 @@ loopback, an address of this host), so nobody publishes a segment in another hos
 
 from __future__ import annotations
 
-import functools
-import ipaddress
 import json
 import logging
 import secrets
-import socket
 import threading
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -33,7 +30,7 @@ from kvpool.common.errors import (
     KVPoolError,
     NotFoundError,
 )
-from kvpool.common.net import is_loopback
+from kvpool.common.net import host_matches, is_loopback
 from kvpool.transfer.metadata import OWNER_KEY_HEADER, DescriptorTable
 from kvpool.transfer.segment import SegmentDescriptor
 
@@ -152,39 +149,6 @@ class _Handler(BaseHTTPRequestHandler):
         if not isinstance(body, dict):
             raise BadRequestError("body must be a JSON object")
         return body
-
-
-def host_matches(host: str, peer: str) -> bool:
-    """Whether a descriptor naming ``host`` may come from ``peer`` (an IP address): ``host``
-    resolves to ``peer``, or ``peer`` is this host (loopback) and ``host`` is one of its own."""
-    addresses = _resolve(host)
-    if peer in addresses:
-        return True
-    return is_loopback(peer) and bool(addresses) and all(map(_is_local, addresses))
-
-
-def _resolve(host: str) -> frozenset[str]:
-    try:
-        return frozenset({str(ipaddress.ip_address(host))})
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except OSError:
-        return frozenset()
-    return frozenset(str(info[4][0]) for info in infos)
-
-
-@functools.lru_cache(maxsize=256)
-def _is_local(ip: str) -> bool:
-    """Whether ``ip`` is an address of this host (it can be bound)."""
-    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.bind((ip, 0))
-    except OSError:
-        return False
-    return True
 
 
 class _Server(ThreadingHTTPServer):

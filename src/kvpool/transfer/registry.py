@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 
-from kvpool.common.errors import BadRequestError, NotFoundError
+from kvpool.common.errors import BadRequestError, KVPoolError, NotFoundError
 from kvpool.transfer.metadata import SegmentDirectory
 from kvpool.transfer.segment import (
     Segment,
@@ -98,7 +98,10 @@ class SegmentRegistry:
             seg = self._by_name.get(name)
         if seg is None:
             raise NotFoundError(f"segment {name!r} is not registered here")
-        self.directory.withdraw(name)
+        try:
+            self.directory.withdraw(name)
+        except KVPoolError as exc:  # an unreachable directory lets the entry expire instead
+            logger.warning("segment %s: could not withdraw it: %s", name, exc)
         self._drop(seg)
 
     def get(self, name: str) -> Segment:

@@ -22,27 +22,20 @@ from kvpool.common.errors import (
     NotFoundError,
     UnavailableError,
 )
-from kvpool.common.rpc import RpcClient, RpcServer, current_call, error_body, rpc_method
+from kvpool.common.rpc import (
+    RpcClient,
+    RpcServer,
+    current_call,
+    error_body,
+    rpc_method,
+    rpc_methods,
+)
 from kvpool.config import MasterConfig
 from kvpool.store.master.objects import ObjectMeta, ObjectState, Replica, Tier
 from kvpool.store.master.state import MasterState
+from kvpool.transfer.directory_service import DirectoryService
 
 logger = logging.getLogger(__name__)
-
-
-def meta_to_wire(meta: ObjectMeta, lease_ttl: float = 0.0) -> dict:
-    return {
-        "key": meta.key,
-        "size": meta.size,
-        "replicas": [r.to_wire() for r in meta.replicas],
-        "checksum": meta.checksum,
-        "lease_ttl": lease_ttl,
-    }
-
-
-def _started(meta: ObjectMeta) -> dict:
-    """What put_start answers: where to write, and the put id that ends (or revokes) it."""
-    return {**meta_to_wire(meta), "put_id": meta.put_id}
 
 
 def _int(value: object, name: str) -> int:
@@ -57,6 +50,12 @@ def _tier(value: object) -> Tier:
         return Tier(value)
     except ValueError as exc:
         raise BadRequestError(f"tier must be one of {[t.value for t in Tier]}") from exc
+
+
+def _str(value: object) -> str:
+    if value is not None and not isinstance(value, str):
+        raise BadRequestError("expected a string")
+    return value or ""
 
 
 def _items(value: object, width: int, what: str) -> list[list]:
@@ -85,6 +84,21 @@ class _TrackedState(MasterState):
         # until the node acknowledges it, so a lost heartbeat reply loses nothing
         self.delta_base: dict[str, int] = defaultdict(lambda: 1)
         self.epoch = uuid.uuid4().hex  # acks of another master's deltas mean nothing here
+
+    def wire(self, meta: ObjectMeta, lease_ttl: float = 0.0) -> dict:
+        """An object as the client sees it: its replicas, each with the incarnation of the
+        process that owns its segment (so a client never writes or reads through a
+        descriptor of a previous life of that node)."""
+        replicas = []
+        for r in meta.replicas:
+            seg = self.segments.get(r.segment)
+            replicas.append({**r.to_wire(), "owner": seg.owner if seg is not None else ""})
+        return {"key": meta.key, "size": meta.size, "replicas": replicas,
+                "checksum": meta.checksum, "lease_ttl": lease_ttl}  # fmt: skip
+
+    def started(self, meta: ObjectMeta) -> dict:
+        """What put_start answers: where to write, and the put id that ends (or revokes) it."""
+        return {**self.wire(meta), "put_id": meta.put_id}
 
     def take_deltas(self, node_id: str, epoch: str | None, ack: int) -> tuple[list, int]:
         """Drop the node's deltas up to ``ack`` (if it speaks of ours); (the rest, last seq)."""
@@ -141,6 +155,7 @@ class MasterService:
         self._node_addresses: dict[str, str] = {}
         self._node_clients: dict[str, RpcClient] = {}
         self._token, self._admin_token = token, admin_token  # None: from the environment
+        self.directory = DirectoryService()  # the pool's segment directory (rpc://<address>)
         self.state.mover = self._move
         self.lock = threading.Lock()
         self._stop = threading.Event()
@@ -174,15 +189,17 @@ class MasterService:
         address: str | None = None,
         objects: list | None = None,
         complete: bool = True,
+        incarnation: str | None = None,
     ) -> bool:
         """A node offers a segment; ``address``: its RPC server (for tier moves); ``objects``:
         what the segment already holds, adopted in the same step, so that no allocation can
         land on it in between (a new leader rebuilding its table). ``complete`` False: more of
         its objects follow in ``report`` calls, and the segment takes no allocation until the
-        one that names it."""
+        one that names it. ``incarnation``: which process of the node this is (a new one
+        starts clean)."""
         with self.lock:
             self.state.mount(node_id, segment, _tier(tier), _int(capacity, "capacity"),
-                             ready=bool(complete))  # fmt: skip
+                             ready=bool(complete), incarnation=_str(incarnation))  # fmt: skip
             if address:
                 self._node_addresses[node_id] = address
             if objects:
@@ -205,13 +222,25 @@ class MasterService:
             return False
 
     @rpc_method
-    def heartbeat(self, node_id: str, epoch: str | None = None, ack: int = 0) -> dict:
+    def unmount(self, node_id: str, incarnation: str | None = None) -> int:
+        """A node leaves: its replicas go at once (objects with no other replica are gone, a
+        clean miss); the number of keys that went with it."""
+        with self.lock:
+            lost = self.state.unmount(node_id, _str(incarnation))
+            self._node_addresses.pop(node_id, None)
+        if lost:
+            logger.info("master: node %s left with %d objects", node_id, len(lost))
+        return len(lost)
+
+    @rpc_method
+    def heartbeat(self, node_id: str, epoch: str | None = None, ack: int = 0,
+                  incarnation: str | None = None) -> dict:  # fmt: skip
         """``{"known", "deltas": [[op, key, size, segment, offset, checksum], ...], "epoch",
         "seq"}``: the deltas not yet acknowledged (``ack``: the last ``seq`` the node applied
         from this ``epoch``); they are resent until acknowledged, and applying one twice is
         harmless."""
         with self.lock:
-            known = self.state.heartbeat(node_id)
+            known = self.state.heartbeat(node_id, _str(incarnation))
             deltas, seq = self.state.take_deltas(node_id, epoch, _int(ack, "ack")) if known \
                 else ([], 0)  # fmt: skip
         return {"known": known, "deltas": deltas, "epoch": self.state.epoch, "seq": seq}
@@ -260,7 +289,8 @@ class MasterService:
         owner = current_call().client_id
         with self.lock:
             try:
-                return _started(self.state.put_start(key, _int(size, "size"), replicas, owner))
+                return self.state.started(self.state.put_start(key, _int(size, "size"), replicas,
+                                                               owner))  # fmt: skip
             except NoSpaceError as exc:
                 raise self._unavailable(exc) from None
 
@@ -280,7 +310,7 @@ class MasterService:
     def get(self, key: str) -> dict:
         with self.lock:
             try:
-                return meta_to_wire(self.state.get(key), self.config.lease_ttl)
+                return self.state.wire(self.state.get(key), self.config.lease_ttl)
             except NotFoundError as exc:
                 raise self._unavailable(exc) from None
 
@@ -290,7 +320,7 @@ class MasterService:
         with self.lock:
             for key in _keys(keys):
                 try:
-                    out.append(meta_to_wire(self.state.get(key), self.config.lease_ttl))
+                    out.append(self.state.wire(self.state.get(key), self.config.lease_ttl))
                 except NotFoundError:
                     out.append(None)
         return out
@@ -304,7 +334,8 @@ class MasterService:
         with self.lock:
             for key, size in _items(items, 2, "key, size"):
                 try:
-                    out.append(_started(self.state.put_start(key, _int(size, "size"), replicas,
+                    out.append(self.state.started(self.state.put_start(key, _int(size, "size"),
+                                                                       replicas,
                                                              owner)))  # fmt: skip
                 except KVPoolError as exc:
                     out.append({"error": error_body(exc)})
@@ -385,4 +416,5 @@ class MasterService:
         """Start an RPC server for this service (the caller closes it); ``token`` defaults to
         the service's (and that to the environment's)."""
         token = self._token if token is None else token
-        return RpcServer(self, host, port, token=token, admin_token=self._admin_token).start()
+        handler = rpc_methods(self, self.directory)
+        return RpcServer(handler, host, port, token=token, admin_token=self._admin_token).start()

@@ -13,7 +13,12 @@ wraps it (one lock around every call). Semantics follow Mooncake Store:
 - Space: when a put cannot allocate, or a tier passes its high watermark, objects are evicted
   down to the low watermark, coldest first (decayed access frequency: recency and frequency in
   one score), never leased, in-flight or cooling-down ones, soft-pinned ones last.
-- Nodes heartbeat; a node silent for ``node_ttl`` is dropped with its replicas.
+- Nodes heartbeat; a node silent for ``node_ttl`` is dropped with its replicas, one that leaves
+  (``unmount``) at once. A node that comes back as a new process (another ``incarnation``)
+  starts clean: what the old one held is gone with its memory.
+- "Already exists" only ever means a COMPLETE object with a replica on a live node: a put of
+  a key whose replicas are all on nodes silent for ``node_suspect_after`` replaces it, and a
+  put of a key another put has not ended yet gets ``PutInProgressError``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from kvpool.common.errors import (
     LeaseExpiredError,
     NoSpaceError,
     NotFoundError,
+    PutInProgressError,
 )
 from kvpool.config import MAX_REPLICAS, MasterConfig
 from kvpool.store.master import tiering
@@ -47,6 +53,7 @@ class MountedSegment:
     tier: Tier
     allocator: OffsetAllocator
     ready: bool = True  # False while its node still reports what it holds: no allocations
+    owner: str = ""  # the incarnation of the node that mounted it (its transfer engine's id)
 
 
 @dataclass(slots=True)
@@ -54,6 +61,7 @@ class Node:
     node_id: str
     last_seen: float
     segments: list[str]
+    incarnation: str = ""  # which process of the node (a restart is a new one)
 
 
 class MasterState:
@@ -79,10 +87,20 @@ class MasterState:
     # -- nodes and segments ---------------------------------------------------------------------
 
     def mount(
-        self, node_id: str, segment: str, tier: Tier, capacity: int, ready: bool = True
+        self,
+        node_id: str,
+        segment: str,
+        tier: Tier,
+        capacity: int,
+        ready: bool = True,
+        incarnation: str = "",
     ) -> None:
         """A node offers ``capacity`` bytes of ``segment`` (re-mounting the same is a no-op);
-        not ``ready``: it takes no allocation until ``segment_ready``."""
+        not ``ready``: it takes no allocation until ``segment_ready``. A known node id with
+        another ``incarnation`` is a new process: the old one's objects are dropped first."""
+        known = self.nodes.get(node_id)
+        if known is not None and incarnation and known.incarnation != incarnation:
+            self.drop_node(node_id)
         if capacity <= 0 or capacity > 1 << 50:
             raise BadRequestError("segment capacity must be in (0, 2**50] bytes")
         if not isinstance(segment, str) or not 0 < len(segment) <= 255:
@@ -92,11 +110,11 @@ class MasterState:
             if old.node_id != node_id:
                 raise AlreadyExistsError(f"segment {segment!r} belongs to node {old.node_id}")
             return
-        node = self.nodes.setdefault(node_id, Node(node_id, self.clock(), []))
+        node = self.nodes.setdefault(node_id, Node(node_id, self.clock(), [], incarnation))
         node.last_seen = self.clock()
         node.segments.append(segment)
         self.segments[segment] = MountedSegment(node_id, segment, tier, OffsetAllocator(capacity),
-                                                ready)  # fmt: skip
+                                                ready, incarnation)  # fmt: skip
 
     def segment_ready(self, node_id: str, segment: str) -> None:
         seg = self.segments.get(segment)
@@ -104,13 +122,21 @@ class MasterState:
             raise BadRequestError(f"segment {segment!r} is not mounted by {node_id}")
         seg.ready = True
 
-    def heartbeat(self, node_id: str) -> bool:
-        """False if the master does not know the node (it must mount again)."""
+    def heartbeat(self, node_id: str, incarnation: str = "") -> bool:
+        """False if the master does not know the node, or knows another process of it (it
+        must mount again)."""
         node = self.nodes.get(node_id)
-        if node is None:
+        if node is None or (incarnation and node.incarnation != incarnation):
             return False
         node.last_seen = self.clock()
         return True
+
+    def unmount(self, node_id: str, incarnation: str = "") -> list[str]:
+        """A node leaves: it and every replica on it go at once; the keys that went with it."""
+        node = self.nodes.get(node_id)
+        if node is None or (incarnation and node.incarnation != incarnation):
+            return []
+        return self.drop_node(node_id)
 
     def drop_node(self, node_id: str) -> list[str]:
         """Forget a node and every replica on it; the keys that lost their last replica."""
@@ -163,8 +189,13 @@ class MasterState:
             raise BadRequestError(
                 f"value size {size} not in [1, {self.config.max_object_bytes}] bytes"
             )
-        if key in self.objects:
-            raise AlreadyExistsError(f"key {key!r} already exists (objects are immutable)")
+        old = self.objects.get(key)
+        if old is not None:
+            if old.state is ObjectState.PROCESSING:
+                raise PutInProgressError(f"a put of key {key!r} is in progress")
+            if not self._on_suspect_nodes(old):
+                raise AlreadyExistsError(f"key {key!r} already exists (objects are immutable)")
+            self._delete(old)  # its nodes went silent: not there any more, a real put
         held, cap = self.pending_bytes.get(owner, 0), self.config.max_pending_bytes
         if held + size * want > cap:
             raise BackpressureError(
@@ -341,6 +372,12 @@ class MasterState:
         return bool(on_tier) and not (exclude and all(r.node_id in exclude for r in on_tier))
 
     # -- helpers --------------------------------------------------------------------------------
+
+    def _on_suspect_nodes(self, meta: ObjectMeta) -> bool:
+        """Whether every replica of ``meta`` is on a node silent for ``node_suspect_after``."""
+        now, after = self.clock(), self.config.node_suspect_after
+        nodes = [self.nodes.get(r.node_id) for r in meta.replicas]
+        return all(n is None or now - n.last_seen > after for n in nodes)
 
     def _processing(self, key: str, put_id: int) -> ObjectMeta:
         meta = self.objects.get(key)
