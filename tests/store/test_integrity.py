@@ -8,7 +8,7 @@ import pytest
 from kvpool.common import auth
 from kvpool.common.errors import NotFoundError
 from kvpool.store import EmbeddedStore
-from kvpool.store.client import checksum, checksum_parts
+from kvpool.store.integrity import checksum, checksum_parts
 
 
 @pytest.mark.parametrize("token", ["", "cluster-secret"])

@@ -233,3 +233,86 @@ def test_rebuild_from_node_reports(clock):
     put(fresh, "new", 1000)  # never overlaps the adopted range
     new = fresh.objects["new"].replicas[0]
     assert new.offset >= replica.offset + 5000 or new.offset + 1000 <= replica.offset
+
+
+def up(state: MasterState, key: str, size: int, **opts):
+    from kvpool.store.master.objects import PutOptions
+
+    return state.put_start(key, size, opts=PutOptions(upsert=True, **opts))
+
+
+def test_an_upsert_replaces_and_the_old_bytes_outlive_their_readers(clock):
+    s = make(clock, lease_ttl=10, node_ttl=1000)
+    put(s, "k", 10 * KiB)
+    old = s.get("k").replicas[0]  # a reader holds a lease on the old version
+    new = up(s, "k", 20 * KiB)
+    assert s.objects["k"].size == 10 * KiB  # until the upsert ends, the old one is the key's
+    with pytest.raises(PutInProgressError):
+        up(s, "k", 5)
+    s.put_end("k", new.put_id, 7)
+    assert s.objects["k"] is new and s.get("k").checksum == 7
+    assert s.usage()[0] == 30 * KiB  # the old replica still holds its bytes for the reader
+    clock.t += 11
+    s.tick()
+    assert s.usage()[0] == 20 * KiB and s.retired == []  # freed once the lease ran out
+    assert old.offset != s.objects["k"].replicas[0].offset
+
+
+def test_a_revoked_or_expired_upsert_leaves_the_old_version(clock):
+    s = make(clock, put_timeout=5, node_ttl=1000)
+    put(s, "k", 1000)
+    a = up(s, "k", 2000)
+    s.put_revoke("k", a.put_id)
+    assert s.objects["k"].size == 1000 and s.upserts == {}
+    up(s, "k", 3000)
+    clock.t += 10
+    assert s.tick()[0] == ["k"]
+    assert s.objects["k"].size == 1000 and s.exists("k")
+    b = up(s, "new-key", 10)  # an upsert of a missing key is a plain put
+    assert s.objects["new-key"] is b
+
+
+def test_pins_hard_never_evicted_soft_last_until_their_ttl(clock):
+    from kvpool.store.master.objects import PutOptions
+
+    s = make(clock, high_watermark=0.95, low_watermark=0.1)
+
+    def put_with(key, **opts):
+        meta = s.put_start(key, 20 * KiB, opts=PutOptions(**opts))
+        s.put_end(key, meta.put_id, 0)
+
+    put_with("hard", hard_pin=True)
+    put_with("soft", soft_pin=True)
+    put_with("brief", soft_pin=True, pin_ttl=5)
+    put_with("plain")
+    clock.t += 1
+    assert s.evict(Tier.DRAM, need=0) == ["plain", "soft", "brief"]  # pinned last, coldest first
+    assert list(s.objects) == ["hard"]  # down to 10 %, but a hard pin stays
+    put_with("brief2", soft_pin=True, pin_ttl=5)
+    put_with("plain2")
+    clock.t += 6  # the brief pin ran out: it goes with the unpinned, coldest first
+    assert s.evict(Tier.DRAM, need=0) == ["brief2", "plain2"]
+
+
+def test_preferred_nodes_are_tried_first(clock):
+    from kvpool.store.master.objects import PutOptions
+
+    s = make(clock, nodes=("n1", "n2", "n3"))
+    for pref in ["n2", "n3/dram", "n3"]:
+        meta = s.put_start(f"k-{pref}", 100, opts=PutOptions(preferred=(pref,)))
+        assert meta.replicas[0].node_id == pref.split("/")[0]
+    meta = s.put_start("elsewhere", 100, opts=PutOptions(preferred=("no-such-node",)))
+    assert meta.replicas  # an unknown preference is ignored, as Mooncake does
+
+
+def test_remove_matching_skips_leased_objects_unless_forced(clock):
+    s = make(clock, lease_ttl=10)
+    for key in ["a/1", "a/2", "b/1", "c"]:
+        put(s, key, 100)
+    s.get("a/2")  # leased
+    s.put_start("a/3", 100)  # in progress: not a complete object, never removed
+    assert s.remove_matching("^a/") == 1 and set(s.objects) == {"a/2", "a/3", "b/1", "c"}
+    assert s.remove_matching("^a/", force=True) == 1
+    with pytest.raises(BadRequestError, match="regular expression"):
+        s.remove_matching("([")
+    assert s.remove_matching(None) == 2 and list(s.objects) == ["a/3"]

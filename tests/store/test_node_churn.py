@@ -19,8 +19,8 @@ from procs import Proc
 from kvpool.common.errors import NotFoundError, PutInProgressError
 from kvpool.common.rpc import RpcClient
 from kvpool.config import TransferConfig
+from kvpool.integrations.mooncake import MooncakeDistributedStore
 from kvpool.store import StoreClient
-from kvpool.store.mooncake_compat import MooncakeDistributedStore
 
 MiB = 1 << 20
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
@@ -52,7 +52,7 @@ P2P_SCRIPT = textwrap.dedent(
     """
     import hashlib, json, sys
     import numpy as np
-    from kvpool.store.mooncake_compat import MooncakeDistributedStore
+    from kvpool.integrations.mooncake import MooncakeDistributedStore
     master = sys.argv[1]
     s = MooncakeDistributedStore()
     assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master) == 0

@@ -128,9 +128,9 @@ def test_index_deltas_are_resent_until_acknowledged():
     """A heartbeat reply that never reaches the node loses no delta (at-least-once)."""
     import time
 
-    from kvpool.store.master.service import _TrackedState
+    from kvpool.store.master.tracked import TrackedState
 
-    state = _TrackedState(MasterConfig(), time.monotonic)
+    state = TrackedState(MasterConfig(), time.monotonic)
     state.deltas["n"] += [["add", "a", 1, "s", 0, None], ["add", "b", 1, "s", 8, None]]
     sent, seq = state.take_deltas("n", None, 0)  # this reply is lost
     assert [d[1] for d in sent] == ["a", "b"] and seq == 2

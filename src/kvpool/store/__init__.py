@@ -1,7 +1,7 @@
-"""The KV pool: a distributed KV-cache store (master, nodes, tiers, client)."""
+"""The KV pool: a distributed KV-cache store (master, nodes, tiers, client). Mooncake Store's
+Python API over it: ``kvpool.integrations.mooncake``."""
 
 from kvpool.store.client import StoreClient
 from kvpool.store.embedded import EmbeddedStore
-from kvpool.store.mooncake_compat import MooncakeDistributedStore
 
-__all__ = ["EmbeddedStore", "MooncakeDistributedStore", "StoreClient"]
+__all__ = ["EmbeddedStore", "StoreClient"]

@@ -10,8 +10,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
-from collections import defaultdict
 from collections.abc import Callable
 
 from kvpool.common.errors import (
@@ -31,8 +29,8 @@ from kvpool.common.rpc import (
     rpc_methods,
 )
 from kvpool.config import MasterConfig
-from kvpool.store.master.objects import ObjectMeta, ObjectState, Replica, Tier
-from kvpool.store.master.state import MasterState
+from kvpool.store.master.objects import ObjectState, PutOptions, Replica, Tier
+from kvpool.store.master.tracked import TrackedState
 from kvpool.transfer.directory_service import DirectoryService
 
 logger = logging.getLogger(__name__)
@@ -58,6 +56,19 @@ def _str(value: object) -> str:
     return value or ""
 
 
+def _options(value: object) -> PutOptions:
+    try:
+        return PutOptions.from_wire(value)
+    except ValueError as exc:
+        raise BadRequestError(str(exc), param="options") from None
+
+
+def _check_force(force: object) -> None:
+    if force and current_call().role != "admin":
+        raise ForbiddenError("a forced remove is an admin call: connect with the admin token "
+                             "(KVPOOL_ADMIN_TOKEN)")  # fmt: skip
+
+
 def _items(value: object, width: int, what: str) -> list[list]:
     """A batch argument: a list of ``width``-element lists (anything else is a 400)."""
     if not isinstance(value, list) or not all(
@@ -73,69 +84,6 @@ def _keys(value: object) -> list[str]:
     return value
 
 
-class _TrackedState(MasterState):
-    """MasterState that records, per node, the replicas committed and deleted since the node's
-    last heartbeat (the node's index deltas)."""
-
-    def __init__(self, config: MasterConfig, clock: Callable[[], float]) -> None:
-        super().__init__(config, clock)
-        self.deltas: dict[str, list] = defaultdict(list)
-        # seq of each node's first undelivered-or-unacknowledged delta: a delta stays queued
-        # until the node acknowledges it, so a lost heartbeat reply loses nothing
-        self.delta_base: dict[str, int] = defaultdict(lambda: 1)
-        self.epoch = uuid.uuid4().hex  # acks of another master's deltas mean nothing here
-
-    def wire(self, meta: ObjectMeta, lease_ttl: float = 0.0) -> dict:
-        """An object as the client sees it: its replicas, each with the incarnation of the
-        process that owns its segment (so a client never writes or reads through a
-        descriptor of a previous life of that node)."""
-        replicas = []
-        for r in meta.replicas:
-            seg = self.segments.get(r.segment)
-            replicas.append({**r.to_wire(), "owner": seg.owner if seg is not None else ""})
-        return {"key": meta.key, "size": meta.size, "replicas": replicas,
-                "checksum": meta.checksum, "lease_ttl": lease_ttl}  # fmt: skip
-
-    def started(self, meta: ObjectMeta) -> dict:
-        """What put_start answers: where to write, and the put id that ends (or revokes) it."""
-        return {**self.wire(meta), "put_id": meta.put_id}
-
-    def take_deltas(self, node_id: str, epoch: str | None, ack: int) -> tuple[list, int]:
-        """Drop the node's deltas up to ``ack`` (if it speaks of ours); (the rest, last seq)."""
-        queue, base = self.deltas[node_id], self.delta_base[node_id]
-        if epoch == self.epoch and ack >= base:
-            done = min(ack - base + 1, len(queue))
-            del queue[:done]
-            self.delta_base[node_id] = base = base + done
-        return list(queue), base + len(queue) - 1
-
-    def put_end(self, key: str, put_id: int, checksum: int) -> None:
-        super().put_end(key, put_id, checksum)
-        meta = self.objects[key]
-        for r in meta.replicas:
-            self.deltas[r.node_id].append(["add", key, meta.size, r.segment, r.offset, checksum])
-
-    def _delete(self, meta: ObjectMeta) -> None:
-        committed = meta.state is ObjectState.COMPLETE
-        for r in meta.replicas if committed else []:
-            self.deltas[r.node_id].append(["del", meta.key, 0, r.segment, r.offset, None])
-        super()._delete(meta)
-
-    def on_move(self, meta: ObjectMeta, old: Replica, new: Replica | None) -> None:
-        if meta.state is not ObjectState.COMPLETE:
-            return
-        self.deltas[old.node_id].append(["del", meta.key, 0, old.segment, old.offset, None])
-        if new is not None:
-            self.deltas[new.node_id].append(
-                ["add", meta.key, meta.size, new.segment, new.offset, meta.checksum]
-            )
-
-    def drop_node(self, node_id: str) -> list[str]:
-        self.deltas.pop(node_id, None)
-        self.delta_base.pop(node_id, None)
-        return super().drop_node(node_id)
-
-
 class MasterService:
     """The RPC methods of the master (metadata only: values never pass through here)."""
 
@@ -148,7 +96,7 @@ class MasterService:
         admin_token: str | None = None,
     ) -> None:
         self.config = config or MasterConfig()
-        self.state = _TrackedState(self.config, clock)
+        self.state = TrackedState(self.config, clock)
         # A master elected after a fail-over starts empty: until the nodes have mounted again
         # and reported, a miss may only mean "not reported yet", so answer "retry" instead.
         self._rebuild_until = time.monotonic() + rebuild_grace
@@ -284,13 +232,15 @@ class MasterService:
         return exc
 
     @rpc_method
-    def put_start(self, key: str, size: int, replicas: int | None = None) -> dict:
-        """Allocate the replicas of a new object: ``{key, size, replicas, put_id, ...}``."""
-        owner = current_call().client_id
+    def put_start(self, key: str, size: int, replicas: int | None = None,
+                  options: dict | None = None) -> dict:  # fmt: skip
+        """Allocate the replicas of a new object: ``{key, size, replicas, put_id, ...}``;
+        ``options``: ``PutOptions`` (upsert, preferred nodes, pins)."""
+        owner, opts = current_call().client_id, _options(options)
         with self.lock:
             try:
                 return self.state.started(self.state.put_start(key, _int(size, "size"), replicas,
-                                                               owner))  # fmt: skip
+                                                               owner, opts))  # fmt: skip
             except NoSpaceError as exc:
                 raise self._unavailable(exc) from None
 
@@ -326,17 +276,17 @@ class MasterService:
         return out
 
     @rpc_method(bulk=True)
-    def batch_put_start(self, items: list, replicas: int | None = None) -> list[dict]:
+    def batch_put_start(self, items: list, replicas: int | None = None,
+                        options: dict | None = None) -> list[dict]:  # fmt: skip
         """``[[key, size], ...]`` -> per item the object with its put id, or
         ``{"error": {...}}``."""
-        owner = current_call().client_id
+        owner, opts = current_call().client_id, _options(options)
         out = []
         with self.lock:
             for key, size in _items(items, 2, "key, size"):
                 try:
-                    out.append(self.state.started(self.state.put_start(key, _int(size, "size"),
-                                                                       replicas,
-                                                             owner)))  # fmt: skip
+                    meta = self.state.put_start(key, _int(size, "size"), replicas, owner, opts)
+                    out.append(self.state.started(meta))
                 except KVPoolError as exc:
                     out.append({"error": error_body(exc)})
         return out
@@ -384,17 +334,37 @@ class MasterService:
     def remove(self, key: str, force: bool = False) -> bool:
         """Remove a COMPLETE object; refused while a reader holds its lease, unless ``force``,
         which is an admin call (readers of a forced-away object fail their checksum)."""
-        if force and current_call().role != "admin":
-            raise ForbiddenError("remove(force=True) is an admin call: connect with the admin "
-                                 "token (KVPOOL_ADMIN_TOKEN)")  # fmt: skip
+        _check_force(force)
         with self.lock:
             self.state.remove(key, bool(force))
         return True
 
     @rpc_method
-    def pin(self, key: str, pinned: bool = True) -> bool:
+    def remove_matching(self, pattern: str | None = None, force: bool = False) -> int:
+        """Remove every object whose key ``pattern`` matches (``re.search``; None: all), but
+        the leased ones unless ``force`` (an admin call); how many went."""
+        _check_force(force)
+        if pattern is not None and (not isinstance(pattern, str) or len(pattern) > 1024):
+            raise BadRequestError("pattern must be a regular expression of at most 1024 chars")
         with self.lock:
-            self.state.pin(key, pinned)
+            return self.state.remove_matching(pattern, bool(force))
+
+    @rpc_method
+    def replicas(self, key: str) -> dict | None:
+        """Where ``key``'s replicas are (no lease: a description, not a read), or None."""
+        with self.lock:
+            meta = self.state.objects.get(key)
+            if meta is None or meta.state is not ObjectState.COMPLETE:
+                return None
+            return self.state.wire(meta)
+
+    @rpc_method
+    def pin(self, key: str, pinned: bool = True, ttl: float | None = None) -> bool:
+        """Soft-pin ``key`` (for ``ttl`` seconds) or unpin it."""
+        if ttl is not None and not (isinstance(ttl, int | float) and 0 < ttl <= 1e9):
+            raise BadRequestError("ttl must be a number of seconds > 0")
+        with self.lock:
+            self.state.pin(key, bool(pinned), ttl)
         return True
 
     @rpc_method

@@ -10,9 +10,10 @@ wraps it (one lock around every call). Semantics follow Mooncake Store:
   unfinished puts may hold at most ``max_pending_bytes``.
 - ``get`` returns COMPLETE objects only and grants a read lease that blocks eviction and
   removal until it runs out; ``remove`` is refused while leased unless forced.
-- Space: when a put cannot allocate, or a tier passes its high watermark, objects are evicted
-  down to the low watermark, coldest first (decayed access frequency: recency and frequency in
-  one score), never leased, in-flight or cooling-down ones, soft-pinned ones last.
+- Space (``placement.py``): when a put cannot allocate, or a tier passes its high watermark,
+  objects are evicted down to the low watermark, coldest first (decayed access frequency:
+  recency and frequency in one score), never leased, in-flight, cooling-down or hard-pinned
+  ones, soft-pinned ones last. Puts and upserts are in ``puts.py``.
 - Nodes heartbeat; a node silent for ``node_ttl`` is dropped with its replicas, one that leaves
   (``unmount``) at once. A node that comes back as a new process (another ``incarnation``)
   starts clean: what the old one held is gone with its memory.
@@ -23,7 +24,8 @@ wraps it (one lock around every call). Semantics follow Mooncake Store:
 
 from __future__ import annotations
 
-import secrets
+import math
+import re
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -31,19 +33,14 @@ from dataclasses import dataclass
 
 from kvpool.common.errors import (
     AlreadyExistsError,
-    BackpressureError,
     BadRequestError,
     LeaseExpiredError,
-    NoSpaceError,
     NotFoundError,
-    PutInProgressError,
 )
-from kvpool.config import MAX_REPLICAS, MasterConfig
-from kvpool.store.master import tiering
+from kvpool.config import MasterConfig
+from kvpool.store.master import placement, puts, tiering
 from kvpool.store.master.allocator import OffsetAllocator
-from kvpool.store.master.objects import ObjectMeta, ObjectState, Replica, Tier
-
-MAX_KEY_BYTES = 4096
+from kvpool.store.master.objects import ObjectMeta, ObjectState, PutOptions, Replica, Tier
 
 
 @dataclass(slots=True)
@@ -83,6 +80,8 @@ class MasterState:
         # copies bytes between two replicas on one node (DRAM <-> SSD); None: no tiering
         self.mover: Callable[[Replica, Replica, int], bool] | None = None
         self.pending_bytes: dict[str, int] = defaultdict(int)  # by client: unfinished puts
+        self.upserts: dict[str, ObjectMeta] = {}  # new versions of existing keys, in progress
+        self.retired: list[tuple[Replica, float]] = []  # old versions' replicas, freed after
 
     # -- nodes and segments ---------------------------------------------------------------------
 
@@ -146,14 +145,14 @@ class MasterState:
         for name in node.segments:
             self.segments.pop(name, None)
         lost = []
-        for key, meta in list(self.objects.items()):
+        for meta in [*self.objects.values(), *self.upserts.values()]:
             kept = [r for r in meta.replicas if r.node_id != node_id]
             if len(kept) != len(meta.replicas):
                 meta.replicas = kept
                 if not kept:
-                    self._settle(meta)
-                    del self.objects[key]
-                    lost.append(key)
+                    self.delete(meta)
+                    lost.append(meta.key)
+        self.retired = [(r, t) for r, t in self.retired if r.node_id != node_id]
         return lost
 
     def adopt(
@@ -174,63 +173,22 @@ class MasterState:
             raise BadRequestError(f"node {node_id} reports {key!r} with a different size")
         meta.replicas.append(replica)
 
-    # -- puts -----------------------------------------------------------------------------------
+    # -- puts (``puts.py``) ----------------------------------------------------------------
 
-    def put_start(
-        self, key: str, size: int, replicas: int | None = None, owner: str = "local"
-    ) -> ObjectMeta:
+    def put_start(self, key: str, size: int, replicas: int | None = None, owner: str = "local",
+                  opts: PutOptions | None = None) -> ObjectMeta:  # fmt: skip
         """Allocate ``replicas`` copies on distinct nodes (DRAM first, evicting if needed) for
         client ``owner``; the object's ``put_id`` is what ends or revokes the put."""
-        _check_key(key)
-        want = self.config.replicas if replicas is None else replicas
-        if not _is_int(want) or not 1 <= want <= MAX_REPLICAS:
-            raise BadRequestError(f"replicas must be an integer in [1, {MAX_REPLICAS}]")
-        if not _is_int(size) or not 0 < size <= self.config.max_object_bytes:
-            raise BadRequestError(
-                f"value size {size} not in [1, {self.config.max_object_bytes}] bytes"
-            )
-        old = self.objects.get(key)
-        if old is not None:
-            if old.state is ObjectState.PROCESSING:
-                raise PutInProgressError(f"a put of key {key!r} is in progress")
-            if not self._on_suspect_nodes(old):
-                raise AlreadyExistsError(f"key {key!r} already exists (objects are immutable)")
-            self._delete(old)  # its nodes went silent: not there any more, a real put
-        held, cap = self.pending_bytes.get(owner, 0), self.config.max_pending_bytes
-        if held + size * want > cap:
-            raise BackpressureError(
-                f"client {owner} has {held} bytes in unfinished puts (at most {cap}): end or "
-                "revoke them first"
-            )
-        placed = self._place(size, want)
-        now = self.clock()
-        deadline = now + self.config.put_timeout + size / self.config.put_min_rate
-        meta = ObjectMeta(key, size, placed, now, put_deadline=deadline,
-                          put_id=secrets.randbits(63) or 1, owner=owner,
-                          pending=size * len(placed))  # fmt: skip
-        self.pending_bytes[owner] += meta.pending
-        self.objects[key] = meta
-        self.counters["puts"] += 1
-        return meta
+        return puts.start(self, key, size, replicas, owner, opts or PutOptions())
 
     def put_end(self, key: str, put_id: int, checksum: int) -> None:
         """Make the put ``put_id`` of ``key`` COMPLETE with the value's ``checksum`` (64-bit)."""
-        meta = self._processing(key, put_id)
-        if not _is_int(checksum) or not 0 <= checksum < 1 << 64:
-            raise BadRequestError("checksum must be an unsigned 64-bit integer")
-        self._settle(meta)
-        meta.state = ObjectState.COMPLETE
-        meta.checksum = checksum
-        meta.touch(self.clock(), self.config.half_life)
+        puts.end(self, key, put_id, checksum)
 
     def put_revoke(self, key: str, put_id: int) -> None:
-        self._revoke(self._processing(key, put_id))
+        puts.revoke(self, puts.in_progress(self, key, put_id))
 
-    def _revoke(self, meta: ObjectMeta) -> None:
-        self._delete(meta)
-        self.counters["revokes"] += 1
-
-    def _settle(self, meta: ObjectMeta) -> None:
+    def settle(self, meta: ObjectMeta) -> None:
         """The put is over: its bytes no longer count against its client (idempotent)."""
         if not meta.pending:
             return
@@ -240,6 +198,16 @@ class MasterState:
             self.pending_bytes[meta.owner] = left
         else:
             self.pending_bytes.pop(meta.owner, None)
+
+    def retire(self, meta: ObjectMeta, now: float) -> None:
+        """An upsert replaced ``meta``: its replicas go as soon as no lease covers them."""
+        self.on_retire(meta)
+        for r in meta.replicas:
+            if meta.leased(now):
+                self.retired.append((r, meta.lease_until))
+            else:
+                self.free_replica(r)
+        meta.replicas = []
 
     # -- reads and removal ------------------------------------------------------------------------
 
@@ -268,125 +236,70 @@ class MasterState:
         if meta.leased(self.clock()) and not force:
             self.counters["lease_conflicts"] += 1
             raise LeaseExpiredError(f"key {key!r} is leased by a reader; remove(force=True)")
-        self._delete(meta)
+        self.delete(meta)
 
-    def pin(self, key: str, pinned: bool = True) -> None:
+    def remove_matching(self, pattern: str | None, force: bool = False) -> int:
+        """Remove every COMPLETE object (whose key ``pattern`` matches, ``re.search``), but
+        those a reader holds a lease on unless ``force``; how many went."""
+        try:
+            regex = None if pattern is None else re.compile(pattern)
+        except (re.error, TypeError) as exc:
+            raise BadRequestError(f"invalid regular expression: {exc}") from None
+        now = self.clock()
+        gone = [m for m in self.objects.values() if m.state is ObjectState.COMPLETE
+                and (regex is None or regex.search(m.key)) and (force or not m.leased(now))]  # fmt: skip
+        for meta in gone:
+            self.delete(meta)
+        return len(gone)
+
+    def pin(self, key: str, pinned: bool = True, ttl: float | None = None) -> None:
+        """Soft-pin ``key`` (for ``ttl`` seconds, or as long as it lives) or unpin it."""
         meta = self.objects.get(key)
         if meta is None:
             raise NotFoundError(f"key {key!r} not found")
         meta.pinned = pinned
+        meta.pin_until = math.inf if ttl is None else self.clock() + ttl
 
     # -- time -----------------------------------------------------------------------------------
 
     def tick(self) -> tuple[list[str], list[str]]:
-        """Revoke puts past their deadline and drop silent nodes: (revoked keys, dropped nodes)."""
+        """Revoke puts past their deadline, free retired replicas no lease covers, drop silent
+        nodes: (revoked keys, dropped nodes)."""
         now = self.clock()
-        late = [
-            m for m in self.objects.values()
-            if m.state is ObjectState.PROCESSING and m.put_deadline < now
-        ]  # fmt: skip
-        for meta in late:
-            self._revoke(meta)
-        revoked = [m.key for m in late]
+        revoked = puts.expire(self, now)
+        due = [r for r, until in self.retired if until <= now]
+        self.retired = [(r, until) for r, until in self.retired if until > now]
+        for r in due:
+            self.free_replica(r)
         dead = [n.node_id for n in self.nodes.values() if now - n.last_seen > self.config.node_ttl]
         for node_id in dead:
             self.drop_node(node_id)
         return revoked, dead
 
-    # -- space ----------------------------------------------------------------------------------
+    # -- space (``placement.py``) -----------------------------------------------------------------
 
     def usage(self, tier: Tier = Tier.DRAM) -> tuple[int, int]:
         """(used, capacity) bytes of a tier over every mounted segment."""
-        segs = [s for s in self.segments.values() if s.tier is tier]
-        return sum(s.allocator.used for s in segs), sum(s.allocator.capacity for s in segs)
-
-    def _place(self, size: int, want: int) -> list[Replica]:
-        """One allocation per distinct node, most free space first; evict when none fits."""
-        placed: list[Replica] = []
-        try:
-            for _ in range(want):
-                taken = {r.node_id for r in placed}
-                replica = self._allocate(size, taken)
-                if replica is None:
-                    self.evict(Tier.DRAM, need=size, exclude_nodes=taken)
-                    replica = self._allocate(size, taken)
-                if replica is None:
-                    if placed:  # fewer replicas than asked beats no object at all
-                        break
-                    raise NoSpaceError(f"no DRAM segment can hold {size} bytes now")
-                placed.append(replica)
-        except BaseException:
-            for r in placed:
-                self.segments[r.segment].allocator.free(r.offset)
-            raise
-        self._evict_to_watermark()
-        return placed
-
-    def _allocate(self, size: int, skip_nodes: set[str]) -> Replica | None:
-        segs = [
-            s for s in self.segments.values()
-            if s.tier is Tier.DRAM and s.ready and s.node_id not in skip_nodes
-        ]  # fmt: skip
-        segs.sort(key=lambda s: s.allocator.free_bytes, reverse=True)
-        for seg in segs:
-            if size > seg.allocator.capacity:
-                continue
-            offset = seg.allocator.allocate(size)
-            if offset is not None:
-                return Replica(seg.node_id, seg.name, offset, seg.tier)
-        return None
+        return placement.usage(self, tier)
 
     def evict(self, tier: Tier, need: int = 0, exclude_nodes: set[str] | None = None) -> list[str]:
         """Evict coldest objects of ``tier`` until ``need`` more bytes are free and usage is
         at or below the low watermark; the evicted keys (in eviction order)."""
-        now = self.clock()
-        used, cap = self.usage(tier)
-        target = min(cap * self.config.low_watermark, cap - need)
-        victims = sorted(
-            (m for m in self.objects.values() if self._evictable(m, now, tier, exclude_nodes)),
-            key=lambda m: (m.pinned, m.heat(now, self.config.half_life), m.last_access),
-        )
-        evicted = []
-        for meta in victims:
-            if used <= target:
-                break
-            used -= meta.size * len(meta.replicas_on(tier))
-            if tier is Tier.DRAM and self.mover is not None:
-                if not tiering.offload(self, meta, now):
-                    self._delete(meta)
-            else:
-                self._delete(meta)
-            evicted.append(meta.key)
-        self.counters["evictions"] += len(evicted)
-        return evicted
-
-    def _evict_to_watermark(self) -> None:
-        used, cap = self.usage(Tier.DRAM)
-        if cap and used > cap * self.config.high_watermark:
-            self.evict(Tier.DRAM)
-
-    def _evictable(self, m: ObjectMeta, now: float, tier: Tier, exclude: set[str] | None) -> bool:
-        if m.state is not ObjectState.COMPLETE or m.leased(now) or m.cooldown_until > now:
-            return False
-        on_tier = m.replicas_on(tier)
-        return bool(on_tier) and not (exclude and all(r.node_id in exclude for r in on_tier))
+        return placement.evict(self, tier, need, exclude_nodes)
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _on_suspect_nodes(self, meta: ObjectMeta) -> bool:
+    def on_suspect_nodes(self, meta: ObjectMeta) -> bool:
         """Whether every replica of ``meta`` is on a node silent for ``node_suspect_after``."""
         now, after = self.clock(), self.config.node_suspect_after
         nodes = [self.nodes.get(r.node_id) for r in meta.replicas]
         return all(n is None or now - n.last_seen > after for n in nodes)
 
-    def _processing(self, key: str, put_id: int) -> ObjectMeta:
-        meta = self.objects.get(key)
-        if meta is None or meta.state is not ObjectState.PROCESSING or meta.put_id != put_id:
-            raise NotFoundError(f"no put {put_id!r} in progress for key {key!r}")
-        return meta
-
-    def on_move(self, meta: ObjectMeta, old: Replica, new: Replica) -> None:
+    def on_move(self, meta: ObjectMeta, old: Replica, new: Replica | None) -> None:
         """A replica moved between tiers (the service tells the node)."""
+
+    def on_retire(self, meta: ObjectMeta) -> None:
+        """An upsert replaced ``meta`` (the service tells its nodes)."""
 
     def free_replica(self, replica: Replica) -> None:
         seg = self.segments.get(replica.segment)
@@ -397,29 +310,20 @@ class MasterState:
         """Drop ``meta``'s replicas in ``segment``; the object goes with its last replica."""
         gone = [r for r in meta.replicas if r.segment == segment]
         if len(gone) == len(meta.replicas):
-            self._delete(meta)
+            self.delete(meta)
             return
         for r in gone:
             self.free_replica(r)
             self.on_move(meta, r, None)
         meta.replicas = [r for r in meta.replicas if r.segment != segment]
 
-    def _delete(self, meta: ObjectMeta) -> None:
-        self._settle(meta)
+    def delete(self, meta: ObjectMeta) -> None:
+        """``meta`` goes, with its replicas (an unfinished upsert leaves the old version)."""
+        self.settle(meta)
         for r in meta.replicas:
-            seg = self.segments.get(r.segment)
-            if seg is not None:
-                seg.allocator.free(r.offset)
+            self.free_replica(r)
         meta.replicas = []
-        self.objects.pop(meta.key, None)
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _check_key(key: str) -> None:
-    if not isinstance(key, str) or not key:
-        raise BadRequestError("a key must be a non-empty string")
-    if len(key.encode()) > MAX_KEY_BYTES:
-        raise BadRequestError(f"a key must be at most {MAX_KEY_BYTES} bytes")
+        if self.objects.get(meta.key) is meta:
+            del self.objects[meta.key]
+        elif self.upserts.get(meta.key) is meta:
+            del self.upserts[meta.key]

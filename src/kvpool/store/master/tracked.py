@@ -1,0 +1,80 @@
+"""The master's state with what its nodes must learn: per node, the replicas committed to and
+deleted from it since its last heartbeat (its index deltas), resent until acknowledged; and
+objects as clients see them (``wire``)."""
+
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+
+from kvpool.config import MasterConfig
+from kvpool.store.master.objects import ObjectMeta, ObjectState, Replica
+from kvpool.store.master.state import MasterState
+
+
+class TrackedState(MasterState):
+    """MasterState that records, per node, the replicas committed and deleted since the node's
+    last heartbeat (the node's index deltas)."""
+
+    def __init__(self, config: MasterConfig, clock: Callable[[], float]) -> None:
+        super().__init__(config, clock)
+        self.deltas: dict[str, list] = defaultdict(list)
+        # seq of each node's first undelivered-or-unacknowledged delta: a delta stays queued
+        # until the node acknowledges it, so a lost heartbeat reply loses nothing
+        self.delta_base: dict[str, int] = defaultdict(lambda: 1)
+        self.epoch = uuid.uuid4().hex  # acks of another master's deltas mean nothing here
+
+    def wire(self, meta: ObjectMeta, lease_ttl: float = 0.0) -> dict:
+        """An object as the client sees it: its replicas, each with the incarnation of the
+        process that owns its segment (so a client never writes or reads through a
+        descriptor of a previous life of that node)."""
+        replicas = []
+        for r in meta.replicas:
+            seg = self.segments.get(r.segment)
+            replicas.append({**r.to_wire(), "owner": seg.owner if seg is not None else ""})
+        return {"key": meta.key, "size": meta.size, "replicas": replicas,
+                "checksum": meta.checksum, "lease_ttl": lease_ttl}  # fmt: skip
+
+    def started(self, meta: ObjectMeta) -> dict:
+        """What put_start answers: where to write, and the put id that ends (or revokes) it."""
+        return {**self.wire(meta), "put_id": meta.put_id}
+
+    def take_deltas(self, node_id: str, epoch: str | None, ack: int) -> tuple[list, int]:
+        """Drop the node's deltas up to ``ack`` (if it speaks of ours); (the rest, last seq)."""
+        queue, base = self.deltas[node_id], self.delta_base[node_id]
+        if epoch == self.epoch and ack >= base:
+            done = min(ack - base + 1, len(queue))
+            del queue[:done]
+            self.delta_base[node_id] = base = base + done
+        return list(queue), base + len(queue) - 1
+
+    def put_end(self, key: str, put_id: int, checksum: int) -> None:
+        super().put_end(key, put_id, checksum)
+        meta = self.objects[key]
+        for r in meta.replicas:
+            self.deltas[r.node_id].append(["add", key, meta.size, r.segment, r.offset, checksum])
+
+    def delete(self, meta: ObjectMeta) -> None:
+        self.on_retire(meta)
+        super().delete(meta)
+
+    def on_retire(self, meta: ObjectMeta) -> None:
+        """``meta``'s replicas leave their nodes' indexes (deleted, or replaced by an upsert)."""
+        if meta.state is ObjectState.COMPLETE:
+            for r in meta.replicas:
+                self.deltas[r.node_id].append(["del", meta.key, 0, r.segment, r.offset, None])
+
+    def on_move(self, meta: ObjectMeta, old: Replica, new: Replica | None) -> None:
+        if meta.state is not ObjectState.COMPLETE:
+            return
+        self.deltas[old.node_id].append(["del", meta.key, 0, old.segment, old.offset, None])
+        if new is not None:
+            self.deltas[new.node_id].append(
+                ["add", meta.key, meta.size, new.segment, new.offset, meta.checksum]
+            )
+
+    def drop_node(self, node_id: str) -> list[str]:
+        self.deltas.pop(node_id, None)
+        self.delta_base.pop(node_id, None)
+        return super().drop_node(node_id)
