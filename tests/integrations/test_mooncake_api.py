@@ -21,6 +21,7 @@ from kvpool.integrations.mooncake import (
     ReplicateConfig,
     SoftPinAction,
     mooncake_size,
+    tensors,
 )
 from kvpool.store.master.service import MasterService
 
@@ -223,7 +224,8 @@ def test_get_into_ranges(pool):
 
 # -- tensors ----------------------------------------------------------------------------------
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool,
+          torch.uint16, torch.float8_e4m3fn]  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -235,7 +237,7 @@ def test_tensor_round_trip_keeps_dtype_and_shape(pool, dtype):
     assert client.put_tensor(key, src) == 0
     got = holder.get_tensor(key)
     assert got.dtype == dtype and got.shape == src.shape and torch.equal(got, src)
-    got += 1 if dtype is not torch.bool else True  # its own memory: writable
+    got.view(torch.uint8).bitwise_not_()  # its own memory: writable, and not the pool's
     assert torch.equal(holder.get_tensor(key), src)
 
 
@@ -256,6 +258,9 @@ def test_tensor_forms(pool):
     assert client.get_tensor("t-scalar").dtype == torch.int8
     assert client.put_tensor("t-bad", "not a tensor") == INVALID
     assert client.put_tensor("t-bad", torch.zeros(*[1] * 9)) == INVALID  # 9 dims
+    assert (
+        client.put_tensor("t-bad", torch.zeros(2, dtype=torch.complex64)) == INVALID
+    )  # as Mooncake
     assert client.put("t-raw", b"raw bytes, no header") == 0
     assert client.get_tensor("t-raw") is None  # not a tensor value: None, not garbage
     assert client.batch_put_tensor(["a", "b"], [torch.ones(1)]) == [INVALID, INVALID]
@@ -270,7 +275,7 @@ def test_tensor_zero_copy_forms(pool):
     try:
         got = client.get_tensor_into("t-zc", buf.ctypes.data, buf.nbytes)
         assert torch.equal(got, src)
-        n = 128 + src.numel() * 2
+        n = tensors.HEADER_BYTES + src.numel() * 2
         assert client.put_tensor_from("t-zc-copy", buf.ctypes.data, n) == 0  # header + data
         assert torch.equal(holder.get_tensor("t-zc-copy"), src)
         assert client.put_tensor_from("t-zc-bad", buf.ctypes.data, n - 1) == INVALID
@@ -336,7 +341,7 @@ def test_prefer_alloc_in_same_node(pool, three_holders):
 
 
 def test_remove_by_regex_and_remove_all(master):
-    service = MasterService(MasterConfig(lease_ttl=LEASE_TTL))
+    service = MasterService(MasterConfig(lease_ttl=30))
     server = service.serve()
     store = MooncakeDistributedStore()
     try:
@@ -345,15 +350,15 @@ def test_remove_by_regex_and_remove_all(master):
         assert store.put_batch([*keys, "other"], [b"v"] * (len(keys) + 1)) == 0
         assert store.remove_by_regex("(") == INVALID  # a bad pattern
         assert store.remove_by_regex(r"^layer-1/") == 4
-        assert store.batch_is_exist(["layer-1/block-0", "layer-0/block-0"]) == [0, 1]
+        assert store.batch_is_exist(["layer-1/block-0", "layer-0/block-0"]) == [0, 1]  # leases
         assert store.get("layer-2/block-3") == b"v"  # leased now
         assert store.remove_by_regex(r"layer-2") == 3  # the leased one stays
         assert store.is_exist("layer-2/block-3") == 1
         assert store.remove("layer-2/block-3") == HAS_LEASE
         assert store.remove_by_regex(r"block-3$", force=True) == 2  # layer-0 and the leased one
         assert store.get("other") == b"v"
-        assert store.remove_all() == 3  # layer-0/block-0..2; "other" is leased
-        assert store.remove_all(force=True) == 1
+        assert store.remove_all() == 2  # layer-0/block-1..2; block-0 and "other" are leased
+        assert store.remove_all(force=True) == 2
         assert store.remove_all() == 0 and store.get("other") == b""
     finally:
         store.close()

@@ -316,3 +316,16 @@ def test_remove_matching_skips_leased_objects_unless_forced(clock):
     with pytest.raises(BadRequestError, match="regular expression"):
         s.remove_matching("([")
     assert s.remove_matching(None) == 2 and list(s.objects) == ["a/3"]
+
+
+def test_a_lookup_leases_the_object_as_in_mooncake(clock):
+    s = make(clock, lease_ttl=2.0)
+    put(s, "k", 100)
+    s.remove("k")  # never looked at: no lease
+    put(s, "k", 100)
+    assert s.exists("k")
+    with pytest.raises(LeaseExpiredError):
+        s.remove("k")  # a lookup is followed by a read: it must not go in between
+    clock.t += 2.1
+    s.remove("k")
+    assert not s.exists("missing")

@@ -19,7 +19,7 @@ register_buffer / unregister_buffer, put_from / get_into / batch_put_from / batc
 batch_put_from_multi_buffers / batch_get_into_multi_buffers, get_into_ranges,
 put_tensor / get_tensor / batch_put_tensor / batch_get_tensor / upsert_tensor /
 batch_upsert_tensor / get_tensor_into / batch_get_tensor_into / put_tensor_from /
-batch_put_tensor_from (CPU tensors; kvpool's own value layout), get_replica_desc /
+batch_put_tensor_from (CPU tensors, in Mooncake's value layout), get_replica_desc /
 batch_get_replica_desc, health_check, get_hostname, close. ``ReplicateConfig``: replica_num,
 soft pins (``soft_pin_action`` / ``with_soft_pin``, ``soft_pin_ttl_ms``), ``with_hard_pin``,
 ``preferred_segment(s)``, ``prefer_alloc_in_same_node``.
@@ -28,8 +28,13 @@ Differences, on purpose: a pointer or range outside registered memory is refused
 (INVALID_PARAMS) where Mooncake's TCP path reads or writes it; calls after ``close()`` answer
 UNAVAILABLE_IN_CURRENT_STATUS (-1010) where Mooncake crashes; a put of a key another put has
 not ended answers REPLICA_IS_NOT_READY (-703), never 0; byte ranges are not checksummed (whole
-values are); the tensor value layout is kvpool's. Not provided (``MooncakeUnsupportedError``,
-and ``hasattr`` is False): tensor-parallel and CUDA forms, ``pub_tensor*``, copy/move tasks,
+values are); a 0-dimensional tensor comes back with shape ``()`` (Mooncake's: ``(1,)``); a
+0-byte ``put_from`` is INVALID_PARAMS (Mooncake answers 0 and stores nothing);
+``ReplicateConfig.with_soft_pin`` (an earlier Mooncake spelling) is accepted, and
+``prefer_alloc_in_same_node`` works (Mooncake 0.3.13 refuses every put with it). The
+differential suite (``tests/integrations/test_mooncake_diff.py``) checks all of this call by
+call against the real wheel; a lookup leases the object, as there.
+Not provided (``MooncakeUnsupportedError``, and ``hasattr`` is False): tensor-parallel and CUDA forms, ``pub_tensor*``, copy/move tasks,
 sessions, segment mounting, safetensors files, ``put_from_with_metadata``, the
 multi-buffer-range forms, ``batch_replica_clear``, ``setup_dummy``, ``init_all``,
 ``alloc_from_mem_pool``. Error codes: -1 INTERNAL_ERROR, -200 NO_AVAILABLE_HANDLE (no space),

@@ -71,15 +71,16 @@ class Tensors:
 
     def batch_put_tensor_from(self, keys: list[str], buffer_ptrs: list,
                               sizes: list[int]) -> list[int]:  # fmt: skip
-        ok = []
+        """All or nothing, as Mooncake: one buffer that does not hold exactly a tensor value
+        (header, then its data) makes every item INVALID_PARAMS."""
+        if not len(keys) == len(buffer_ptrs) == len(sizes):
+            return [INVALID_PARAMS] * len(keys)
         for ptr, n in zip(buffer_ptrs, sizes, strict=True):
             try:
                 *_, nbytes = tensors.parse(self.buffers.view(ptr, n, False))
-                ok.append(nbytes + tensors.HEADER_BYTES == n)
-            except BadRequestError:
-                ok.append(False)
-        codes = self.batch_put_from([k for k, good in zip(keys, ok, strict=True) if good],
-                                    [p for p, good in zip(buffer_ptrs, ok, strict=True) if good],
-                                    [n for n, good in zip(sizes, ok, strict=True) if good])  # fmt: skip
-        it = iter(codes)
-        return [next(it) if good else INVALID_PARAMS for good in ok]
+            except BadRequestError as exc:
+                logger.warning("mooncake put_tensor_from: %s", exc)
+                return [INVALID_PARAMS] * len(keys)
+            if nbytes + tensors.HEADER_BYTES != n:
+                return [INVALID_PARAMS] * len(keys)
+        return self.batch_put_from(keys, buffer_ptrs, sizes)

@@ -41,6 +41,7 @@ class ReplicateConfig:
         self.preferred_segments: list[str] = []
         self.prefer_alloc_in_same_node = False
         self.nof_replica_num = 0
+        self.preferred_nof_segments: list[str] = []
         self.dfs_replica_num = 0
         self.data_type = 0
         self.group_ids: list[int] = []

@@ -29,7 +29,7 @@ from kvpool.common.rpc import (
     rpc_methods,
 )
 from kvpool.config import MasterConfig
-from kvpool.store.master.objects import ObjectState, PutOptions, Replica, Tier
+from kvpool.store.master.objects import PutOptions, Replica, Tier
 from kvpool.store.master.tracked import TrackedState
 from kvpool.transfer.directory_service import DirectoryService
 
@@ -351,12 +351,12 @@ class MasterService:
 
     @rpc_method
     def replicas(self, key: str) -> dict | None:
-        """Where ``key``'s replicas are (no lease: a description, not a read), or None."""
+        """Where ``key``'s replicas are, or None; a read lease, as ``exists`` and Mooncake's
+        replica descriptors give."""
         with self.lock:
-            meta = self.state.objects.get(key)
-            if meta is None or meta.state is not ObjectState.COMPLETE:
+            if not self.state.exists(key):
                 return None
-            return self.state.wire(meta)
+            return self.state.wire(self.state.objects[key])
 
     @rpc_method
     def pin(self, key: str, pinned: bool = True, ttl: float | None = None) -> bool:

@@ -226,8 +226,13 @@ class MasterState:
         return meta
 
     def exists(self, key: str) -> bool:
+        """Whether ``key`` is a COMPLETE object; if so it gets a read lease, as in Mooncake
+        (a lookup is followed by a read: the object must not go in between)."""
         meta = self.objects.get(key)
-        return meta is not None and meta.state is ObjectState.COMPLETE and bool(meta.replicas)
+        found = meta is not None and meta.state is ObjectState.COMPLETE and bool(meta.replicas)
+        if found:
+            meta.lease_until = max(meta.lease_until, self.clock() + self.config.lease_ttl)
+        return found
 
     def remove(self, key: str, force: bool = False) -> None:
         meta = self.objects.get(key)
