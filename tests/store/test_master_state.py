@@ -329,3 +329,27 @@ def test_a_lookup_leases_the_object_as_in_mooncake(clock):
     clock.t += 2.1
     s.remove("k")
     assert not s.exists("missing")
+
+
+def test_a_node_reported_unreachable_is_suspect_until_it_heartbeats(clock):
+    s = make(clock, nodes=("n1", "n2"), capacity=10 * KiB)
+    put(s, "k", 100)
+    holder = s.objects["k"].replicas[0].node_id
+    other = "n2" if holder == "n1" else "n1"
+    with pytest.raises(AlreadyExistsError):
+        s.put_start("k", 100)
+    assert s.report_unreachable([holder, "unknown-node"]) == 1
+    assert s.suspect(holder) and not s.suspect(other)
+    meta = s.put_start("k", 100)  # its only holder may be gone: a real put, elsewhere
+    assert [r.node_id for r in meta.replicas] == [other]
+    s.put_end("k", meta.put_id, 1)
+    clock.t += 0.5
+    s.heartbeat(holder)  # alive after all: the report no longer counts
+    assert not s.suspect(holder)
+    s.report_unreachable([other])
+    big = s.put_start("big", 6 * KiB)  # prefers the node nobody reported
+    assert [r.node_id for r in big.replicas] == [holder]
+    s.report_unreachable([holder])
+    clock.t += 0.1
+    last = s.put_start("last", 6 * KiB)  # both suspect: still placed (a report cannot block puts)
+    assert len(last.replicas) == 1

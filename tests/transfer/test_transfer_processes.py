@@ -252,3 +252,26 @@ def test_sync_and_async_callers_share_connections(peer_factory, engine_factory, 
         t.join(120)
     assert not any(t.is_alive() for t in threads)
     assert errors == []
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_one_synchronous_batch_to_several_peers(peer_factory, engine_factory, metadata, transport):
+    """A waiting caller's batch that spans peers (a put to two replicas, a batch read across
+    nodes) completes on every connection: each synchronous train is received."""
+    peers = [peer_factory(f"peer-m{i}/kv", MiB) for i in range(3)]
+    for i, peer in enumerate(peers):
+        peer.fill(20 + i)
+    te = engine_factory(directory=metadata.url, transport=transport)
+    t0 = time.monotonic()
+    data = np.arange(4096, dtype=np.uint32).view(np.uint8)[:4096].copy()
+    writes = [TransferRequest(Op.WRITE, data, f"peer-m{i}/kv", 100) for i in range(3)]
+    assert [s.bytes_moved for s in te.transfer(writes, timeout=5)] == [4096] * 3
+    bufs = [np.zeros(1000, dtype=np.uint8) for _ in range(6)]
+    reads = [TransferRequest(Op.READ, b, f"peer-m{i % 3}/kv", 100 + 7 * i) for i, b in
+             enumerate(bufs)]  # fmt: skip
+    statuses = te.transfer_statuses(reads, timeout=5)
+    assert all(s.ok for s in statuses) and time.monotonic() - t0 < 5
+    for peer in peers:
+        assert peer.digest(100, 4096) == digest(data)
+    for i, b in enumerate(bufs):
+        assert np.array_equal(b, data[7 * i : 7 * i + 1000])

@@ -74,7 +74,8 @@ class StoreClient:
                                  admin_token=admin_token)  # fmt: skip
         self.timeout = timeout
         mac_key = auth.derive_key(token, auth.KV_MAC) if token else None
-        self.io = ReplicaIO(self.engine, timeout, mac_key)
+        self.io = ReplicaIO(self.engine, timeout, mac_key, self._report_unreachable)
+        self._reported: dict[str, float] = {}  # node -> when this client last reported it
         self.leases = LeaseCache(lease_cache)  # repeated reads within a lease skip the master
 
     # -- single ---------------------------------------------------------------------------------
@@ -306,6 +307,19 @@ class StoreClient:
             for i, good in zip(stale, again, strict=True):
                 ok[i] = good
         return metas, ok
+
+    def _report_unreachable(self, nodes: list[str]) -> None:
+        """Tell the master (at most twice a second per node) that reads from ``nodes`` failed:
+        a node that died is then not trusted until it heartbeats again (best effort)."""
+        now = time.monotonic()
+        fresh = [n for n in dict.fromkeys(nodes) if now - self._reported.get(n, -1.0) >= 0.5]
+        if not fresh:
+            return
+        self._reported.update(dict.fromkeys(fresh, now))
+        try:
+            self.master.call("report_unreachable", fresh)
+        except KVPoolError as exc:
+            logger.debug("store: reporting %s unreachable failed: %s", fresh, exc)
 
     def _revoke_many(self, items: list[list]) -> None:
         """Revoke puts ``[[key, put_id], ...]`` whose writes failed (best effort: the master

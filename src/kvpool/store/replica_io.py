@@ -5,6 +5,7 @@ of key and value with a token: see ``store/integrity.py``)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from kvpool.common.errors import BadRequestError, KVPoolError, NotFoundError, TransferError
 from kvpool.store.integrity import checksum_parts
@@ -31,10 +32,12 @@ class ReplicaIO:
     """Writes a value to every replica; reads it from the first one that yields the right
     bytes. ``mac_key``: the cluster's MAC key (None: plain checksums)."""
 
-    def __init__(self, engine: TransferEngine, timeout: float, mac_key: bytes | None) -> None:
+    def __init__(self, engine: TransferEngine, timeout: float, mac_key: bytes | None,
+                 on_unreachable: Callable[[list[str]], None] | None = None) -> None:  # fmt: skip
         self.engine = engine
         self.timeout = timeout
         self._mac_key = mac_key
+        self._on_unreachable = on_unreachable  # told the nodes a read could not reach
 
     def checksum(self, key: str, parts: list) -> int:
         return checksum_parts(parts, key, self._mac_key)
@@ -52,15 +55,19 @@ class ReplicaIO:
         """The value into ``parts`` from the first replica that reads and verifies;
         ``NotFoundError`` when none does."""
         last: Exception | None = None
+        unreachable = []
         for r in meta["replicas"]:
             try:
                 self.engine.transfer(requests(Op.READ, parts, r, self.engine), self.timeout)
             except KVPoolError as exc:
                 last = exc
+                unreachable.append(r["node"])
                 continue
             if self.verified(meta, parts):
                 return
             last = TransferError(f"checksum mismatch reading {meta['key']} from {r['node']}")
+        if unreachable and self._on_unreachable is not None:
+            self._on_unreachable(unreachable)
         raise NotFoundError(f"key {meta['key']!r}: no readable replica ({last})")
 
     def read_many(self, metas: list, views: list) -> list[bool]:

@@ -1,7 +1,7 @@
 """Where bytes go and what leaves when space runs out (functions over a ``MasterState``).
 
-Placement: one replica per distinct node, on the preferred nodes or segments first, then most
-free space first; eviction when nothing fits. Eviction: from the high watermark down to the low
+Placement: one replica per distinct node, on nodes that are not suspect first (silent, or
+reported unreachable), then the preferred nodes or segments, then most free space; eviction when nothing fits. Eviction: from the high watermark down to the low
 one, coldest first (decayed access frequency), never leased, in-flight, cooling-down or
 hard-pinned objects, soft-pinned ones (while their pin lasts) last.
 """
@@ -57,8 +57,8 @@ def allocate(state: MasterState, size: int, skip_nodes: set[str],
         if s.tier is Tier.DRAM and s.ready and s.node_id not in skip_nodes
     ]  # fmt: skip
     wanted = set(preferred)
-    segs.sort(key=lambda s: (s.name not in wanted and s.node_id not in wanted,
-                             -s.allocator.free_bytes))  # fmt: skip
+    segs.sort(key=lambda s: (state.suspect(s.node_id), s.name not in wanted and
+                             s.node_id not in wanted, -s.allocator.free_bytes))  # fmt: skip
     for seg in segs:
         if size > seg.allocator.capacity:
             continue

@@ -43,11 +43,10 @@ def start(state: MasterState, key: str, size: int, replicas: int | None, owner: 
     old = state.objects.get(key)
     if key in state.upserts or (old is not None and old.state is ObjectState.PROCESSING):
         raise PutInProgressError(f"a put of key {key!r} is in progress")
-    if old is not None and not opts.upsert:
-        if not state.on_suspect_nodes(old):
-            raise AlreadyExistsError(f"key {key!r} already exists (objects are immutable)")
-        state.delete(old)  # its nodes went silent: not there any more, a real put
-        old = None
+    if old is not None and not opts.upsert and not state.on_suspect_nodes(old):
+        raise AlreadyExistsError(f"key {key!r} already exists (objects are immutable)")
+    # an upsert, or a put of a key whose nodes may be gone: a real put, which replaces the old
+    # version when it ends (a put that fails leaves the old one as it was)
     held = state.pending_bytes.get(owner, 0)
     if held + size * want > cfg.max_pending_bytes:
         raise BackpressureError(

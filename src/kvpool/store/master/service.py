@@ -28,7 +28,7 @@ from kvpool.common.rpc import (
     rpc_method,
     rpc_methods,
 )
-from kvpool.config import MasterConfig
+from kvpool.config import MAX_REPLICAS, MasterConfig
 from kvpool.store.master.objects import PutOptions, Replica, Tier
 from kvpool.store.master.tracked import TrackedState
 from kvpool.transfer.directory_service import DirectoryService
@@ -366,6 +366,19 @@ class MasterService:
         with self.lock:
             self.state.pin(key, bool(pinned), ttl)
         return True
+
+    @rpc_method
+    def report_unreachable(self, nodes: list[str]) -> int:
+        """A client could not read from these nodes: until each heartbeats again, puts of keys
+        held only there are real puts and new replicas avoid them (see ``state.suspect``)."""
+        if (
+            not isinstance(nodes, list)
+            or len(nodes) > MAX_REPLICAS
+            or not all(isinstance(n, str) and 0 < len(n) <= 255 for n in nodes)
+        ):
+            raise BadRequestError(f"nodes must be a list of at most {MAX_REPLICAS} node ids")
+        with self.lock:
+            return self.state.report_unreachable(nodes)
 
     @rpc_method
     def stats(self) -> dict:

@@ -18,8 +18,10 @@ wraps it (one lock around every call). Semantics follow Mooncake Store:
   (``unmount``) at once. A node that comes back as a new process (another ``incarnation``)
   starts clean: what the old one held is gone with its memory.
 - "Already exists" only ever means a COMPLETE object with a replica on a live node: a put of
-  a key whose replicas are all on nodes silent for ``node_suspect_after`` replaces it, and a
-  put of a key another put has not ended yet gets ``PutInProgressError``.
+  a key whose replicas are all on *suspect* nodes (silent for ``node_suspect_after``, or
+  reported unreachable by a client since their last heartbeat) replaces it, and a put of a key
+  another put has not ended yet gets ``PutInProgressError``. New replicas go to suspect nodes
+  only when nothing else fits.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class Node:
     last_seen: float
     segments: list[str]
     incarnation: str = ""  # which process of the node (a restart is a new one)
+    reported: float = -math.inf  # when a client last could not reach it (its next heartbeat
+    # clears that: see ``suspect``)
 
 
 class MasterState:
@@ -294,11 +298,23 @@ class MasterState:
 
     # -- helpers --------------------------------------------------------------------------------
 
+    def suspect(self, node_id: str) -> bool:
+        """Whether a node may be gone: unknown, silent for ``node_suspect_after``, or reported
+        unreachable since its last heartbeat (so a false report lasts one heartbeat)."""
+        node = self.nodes.get(node_id)
+        return node is None or self.clock() - node.last_seen > self.config.node_suspect_after \
+            or node.reported >= node.last_seen  # fmt: skip
+
+    def report_unreachable(self, node_ids: list[str]) -> int:
+        """A client could not read from these nodes; how many the master knows."""
+        known = [self.nodes[n] for n in node_ids if n in self.nodes]
+        for node in known:
+            node.reported = self.clock()
+        return len(known)
+
     def on_suspect_nodes(self, meta: ObjectMeta) -> bool:
-        """Whether every replica of ``meta`` is on a node silent for ``node_suspect_after``."""
-        now, after = self.clock(), self.config.node_suspect_after
-        nodes = [self.nodes.get(r.node_id) for r in meta.replicas]
-        return all(n is None or now - n.last_seen > after for n in nodes)
+        """Whether every replica of ``meta`` is on a suspect node."""
+        return all(self.suspect(r.node_id) for r in meta.replicas)
 
     def on_move(self, meta: ObjectMeta, old: Replica, new: Replica | None) -> None:
         """A replica moved between tiers (the service tells the node)."""

@@ -17,7 +17,7 @@ import time
 from kvpool.common import auth
 from kvpool.common.errors import AuthError, KVPoolError, KVPoolTimeoutError, TransferError
 from kvpool.transfer import protocol as P
-from kvpool.transfer.request import BatchHandle, PendingOp
+from kvpool.transfer.request import BatchHandle, PendingOp, State
 from kvpool.transfer.segment import SegmentDescriptor
 from kvpool.transfer.transports.base import Transport, TransportContext, register_transport
 from kvpool.transfer.transports.tcp_conn import Connection, Frame
@@ -77,9 +77,15 @@ class TcpTransport(Transport):
                         frame.op.frame_done(0, err)
 
     def drive(self, handle: BatchHandle) -> None:
-        conns = {id(c): c for op in handle._ops for c in op.conns}
-        if len(conns) == 1:
-            next(iter(conns.values())).drive(handle)
+        """Receive this batch's replies in the calling thread, connection by connection (a
+        batch to several peers has one synchronous train on each), each until the requests
+        it carries are finished."""
+        by_conn: dict[int, tuple[Connection, list[PendingOp]]] = {}
+        for op in handle._ops:
+            for c in op.conns:
+                by_conn.setdefault(id(c), (c, []))[1].append(op)
+        for conn, ops in by_conn.values():
+            conn.drive(handle, lambda ops=ops: all(op.state is not State.PENDING for op in ops))
 
     def cancel(self, op: PendingOp) -> None:
         op.timed_out = True

@@ -181,18 +181,20 @@ class Connection:
 
     # -- receiving ----------------------------------------------------------------------------
 
-    def drive(self, handle: BatchHandle) -> None:
-        """Read replies in this thread until ``handle`` is done, whenever the reader role is
-        free; otherwise sleep until whoever holds it has read ours."""
-        while not handle.done():
+    def drive(self, handle: BatchHandle, finished: Callable[[], bool] | None = None) -> None:
+        """Read replies in this thread until ``finished()`` (default: ``handle`` is done),
+        whenever the reader role is free; otherwise sleep until whoever holds it has read
+        ours."""
+        finished = finished or handle.done
+        while not finished():
             with self._lock:
-                while not self.dead and not handle.done() and (self._reading or not self._trains):
+                while not self.dead and not finished() and (self._reading or not self._trains):
                     self._role_cv.wait(0.05)
-                if self.dead or handle.done():
+                if self.dead or finished():
                     return
                 self._reading = True
             try:
-                self._read_while(lambda: not handle.done())
+                self._read_while(lambda: not finished())
             except Exception as exc:  # the receiver thread fails what is left
                 self._broken(exc)
                 return
