@@ -62,7 +62,8 @@ class StorageNode:
             path = os.path.join(ssd_path, f"kvpool-{safe}-{os.getpid()}.ssd")
             self.ssd = self.engine.register(f"{node_id}/ssd", size=ssd_size, path=path)
         # the master asks this node to copy objects between its tiers
-        self.rpc = RpcServer({"copy": self.copy}, self.engine.config.host, 0, token or "").start()
+        self.rpc = RpcServer({"copy": self.copy, "poke": self.poke}, self.engine.config.host, 0,
+                             token or "").start()  # fmt: skip
         self.master = MasterLink(master, token=token or "", timeout=5.0)
         # key -> (segment, offset, size, checksum)
         self.index: dict[str, tuple[str, int, int, int | None]] = {}
@@ -70,6 +71,7 @@ class StorageNode:
         self._interval = heartbeat_interval
         self._ack: tuple[str | None, int] = (None, 0)  # (master epoch, last delta seq applied)
         self._stop = threading.Event()
+        self._wake = threading.Event()  # the master has deltas for us: heartbeat now
         self._mount()
         self._thread = threading.Thread(target=self._beat_loop, name="kvpool-node", daemon=True)
         self._thread.start()
@@ -123,8 +125,17 @@ class StorageNode:
         np.copyto(b[dst_offset : dst_offset + size], a[src_offset : src_offset + size])
         return True
 
+    def poke(self) -> bool:
+        """The master has index deltas for this node: fetch them now (not at the next beat)."""
+        self._wake.set()
+        return True
+
     def _beat_loop(self) -> None:
-        while not self._stop.wait(self._interval):
+        while not self._stop.is_set():
+            self._wake.wait(self._interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.beat()
             except KVPoolError as exc:
@@ -147,6 +158,7 @@ class StorageNode:
         """Leave the pool: unmount at once (its objects are withdrawn, not left to expire),
         then free the memory."""
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=5)
         with contextlib.suppress(KVPoolError):  # a gone master drops us at node_ttl anyway
             self.master.rpc.call("unmount", self.node_id, self.incarnation, timeout=2.0)

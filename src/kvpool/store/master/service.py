@@ -29,6 +29,7 @@ from kvpool.common.rpc import (
     rpc_methods,
 )
 from kvpool.config import MAX_REPLICAS, MasterConfig
+from kvpool.store.master.nudge import Nudger
 from kvpool.store.master.objects import PutOptions, Replica, Tier
 from kvpool.store.master.tracked import TrackedState
 from kvpool.transfer.directory_service import DirectoryService
@@ -105,6 +106,8 @@ class MasterService:
         self._token, self._admin_token = token, admin_token  # None: from the environment
         self.directory = DirectoryService()  # the pool's segment directory (rpc://<address>)
         self.state.mover = self._move
+        self.nudger = Nudger(self._node_addresses.get, token)
+        self.state.on_delta = self.nudger.mark
         self.lock = threading.Lock()
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="kvpool-master", daemon=True)
@@ -113,6 +116,7 @@ class MasterService:
     def close(self) -> None:
         self._stop.set()
         self._ticker.join(timeout=5)
+        self.nudger.close()
         for client in self._node_clients.values():
             client.close()
 
