@@ -137,7 +137,28 @@ def test_index_deltas_are_resent_until_acknowledged():
     again, seq = state.take_deltas("n", None, 0)  # so the node acks nothing: resent
     assert again == sent and seq == 2
     state.deltas["n"].append(["del", "a", 0, "s", 0, None])
-    rest, seq = state.take_deltas("n", state.epoch, 2)  # a and b acknowledged
+    epoch = state.stream_epoch("n")
+    rest, seq = state.take_deltas("n", epoch, 2)  # a and b acknowledged
     assert [d[0] for d in rest] == ["del"] and seq == 3
     assert state.take_deltas("n", "another-master", 3) == (rest, 3)  # foreign acks ignored
-    assert state.take_deltas("n", state.epoch, 3) == ([], 3)
+    assert state.take_deltas("n", epoch, 3) == ([], 3)
+
+
+def test_an_ack_of_a_previous_life_of_the_node_discards_nothing():
+    """The node is dropped (a restart under the same id, missed heartbeats) and its delta
+    seqs restart at 1: its ack of seq 3 from before must not discard the new stream's deltas
+    (they would never reach its index: objects lost at the next fail-over, removed ones back
+    as stale entries overlapping new allocations)."""
+    import time
+
+    from kvpool.store.master.tracked import TrackedState
+
+    state = TrackedState(MasterConfig(), time.monotonic)
+    state.deltas["n"] += [["add", k, 1, "s", 8 * i, None] for i, k in enumerate("abc")]
+    old_epoch = state.stream_epoch("n")
+    assert state.take_deltas("n", old_epoch, 3) == ([], 3)
+    state.drop_node("n")
+    state.deltas["n"] += [["add", "x", 1, "s", 0, None], ["del", "b", 0, "s", 8, None]]
+    sent, seq = state.take_deltas("n", old_epoch, 3)  # the node still names its old stream
+    assert [d[1] for d in sent] == ["x", "b"] and seq == 2
+    assert state.stream_epoch("n") != old_epoch

@@ -133,7 +133,7 @@ def _master_ha(args: argparse.Namespace, config: MasterConfig, token: str, admin
 
     def elected() -> None:
         live["service"] = MasterService(config, rebuild_grace=args.rebuild_grace, token=token,
-                                        admin_token=admin)  # fmt: skip
+                                        admin_token=admin, commit_wait=args.commit_wait)  # fmt: skip
         live["server"] = live["service"].serve(args.host, args.port)
         print(json.dumps({"leader": True, "address": address}), flush=True)
 
@@ -217,6 +217,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     m.add_argument("--leader-ttl", type=float, default=3.0, help="leader lease (seconds)")
     m.add_argument("--rebuild-grace", type=float, default=2.0,
                    help="after winning an election: seconds to wait for nodes to report")  # fmt: skip
+    m.add_argument("--commit-wait", type=float, default=1.0,
+                   help="with --etcd: a put is acknowledged once its nodes hold its index entry "
+                        "(what a standby rebuilds from), waiting at most this long (0: at once; "
+                        "the last puts before a leader dies may then be lost)")  # fmt: skip
     m.add_argument("--metrics-port", type=int, default=None, help="serve /metrics and /health")
     m.add_argument("--config", default=None, help="YAML file of these settings")
     m.add_argument("--log-level", default="info")

@@ -22,7 +22,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 COUNTERS = ("puts", "gets", "hits", "misses", "evictions", "revokes", "lease_conflicts",
-            "offloads", "promotions")  # fmt: skip
+            "offloads", "promotions", "unconfirmed_commits")  # fmt: skip
 
 
 class MasterCollector(Collector):

@@ -62,7 +62,7 @@ class StorageNode:
             path = os.path.join(ssd_path, f"kvpool-{safe}-{os.getpid()}.ssd")
             self.ssd = self.engine.register(f"{node_id}/ssd", size=ssd_size, path=path)
         # the master asks this node to copy objects between its tiers
-        self.rpc = RpcServer({"copy": self.copy, "poke": self.poke}, self.engine.config.host, 0,
+        self.rpc = RpcServer({"copy": self.copy, "poke": self.poke, "deltas": self.deltas}, self.engine.config.host, 0,
                              token or "").start()  # fmt: skip
         self.master = MasterLink(master, token=token or "", timeout=5.0)
         # key -> (segment, offset, size, checksum)
@@ -105,13 +105,36 @@ class StorageNode:
         if not reply["known"]:
             self._mount()
             return
+        self._apply(reply.get("epoch"), int(reply.get("seq", 0)), reply["deltas"])
+
+    def _apply(self, epoch: str | None, seq: int, deltas: list) -> None:
+        """Apply index deltas up to ``seq`` of ``epoch`` (acknowledged with the next beat).
+        ``deltas`` are the seqs ``seq - len(deltas) + 1 .. seq``; a push and a heartbeat reply
+        may cross, so those already applied are skipped (a stale "add" after a "del" would
+        resurrect an object)."""
         with self._lock:
-            for op, key, size, segment, offset, checksum in reply["deltas"]:
+            if epoch == self._ack[0]:
+                deltas = deltas[max(0, len(deltas) - (seq - self._ack[1])):] \
+                    if seq > self._ack[1] else []  # fmt: skip
+            for op, key, size, segment, offset, checksum in deltas:
                 if op == "add":
                     self.index[key] = (segment, offset, size, checksum)
                 elif self.index.get(key, (None, None))[:2] == (segment, offset):
                     del self.index[key]
-        self._ack = (reply.get("epoch"), int(reply.get("seq", 0)))  # acknowledged next beat
+            if epoch != self._ack[0] or seq > self._ack[1]:
+                self._ack = (epoch, seq)
+
+    def deltas(self, epoch: str, seq: int, entries: list) -> bool:
+        """The master pushes the deltas this node has not acknowledged, up to ``seq``
+        (applying one twice is harmless); True once applied."""
+        if not isinstance(epoch, str) or not isinstance(seq, int) or not isinstance(entries, list):
+            raise BadRequestError("deltas: epoch (str), seq (int), entries (list) expected")
+        for e in entries:
+            if not (isinstance(e, list) and len(e) == 6 and e[0] in ("add", "del")):
+                raise BadRequestError("deltas: each entry is [op, key, size, segment, offset, "
+                                      "checksum]")  # fmt: skip
+        self._apply(epoch, seq, entries)
+        return True
 
     def copy(self, src: str, src_offset: int, dst: str, dst_offset: int, size: int) -> bool:
         """Copy ``size`` bytes between two of this node's segments (a tier move)."""

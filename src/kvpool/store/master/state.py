@@ -78,7 +78,7 @@ class MasterState:
         self.nodes: dict[str, Node] = {}
         self.counters: dict[str, int] = dict.fromkeys(
             ("puts", "gets", "hits", "misses", "evictions", "revokes", "lease_conflicts",
-             "offloads", "promotions"),
+             "offloads", "promotions", "unconfirmed_commits"),
             0,
         )  # fmt: skip
         # copies bytes between two replicas on one node (DRAM <-> SSD); None: no tiering

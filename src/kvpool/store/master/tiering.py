@@ -34,8 +34,13 @@ def offload(state: MasterState, meta: ObjectMeta, now: float) -> bool:
         if dst is not None and state.mover is not None and state.mover(src, dst, meta.size):
             kept.append(dst)
             state.on_move(meta, src, dst)
-        elif dst is not None:
-            state.segments[dst.segment].allocator.free(dst.offset)
+        else:
+            if dst is not None:
+                state.segments[dst.segment].allocator.free(dst.offset)
+            # dropped, not moved: its node must forget it too (else the entry stays in the
+            # node's index, and a master rebuilt from it after a fail-over adopts an object
+            # whose bytes were reused: the acknowledged object put there since is refused)
+            state.on_move(meta, src, None)
         state.free_replica(src)
     meta.replicas = kept
     meta.cooldown_until = now + state.config.cooldown

@@ -26,6 +26,11 @@ class TrackedState(MasterState):
         # until the node acknowledges it, so a lost heartbeat reply loses nothing
         self.delta_base: dict[str, int] = defaultdict(lambda: 1)
         self.epoch = uuid.uuid4().hex  # acks of another master's deltas mean nothing here
+        # a node's delta stream: its seqs restart when the node is dropped and mounts again
+        # (a new process under the same id, say), so an ack of the old stream must not
+        # discard deltas of the new one: each stream has its own epoch
+        self._streams: dict[str, str] = {}
+        self._stream_count = 0
         self.on_delta: Callable[[str], None] | None = None  # a node has new deltas (a nudge)
 
     def _delta(self, node_id: str, entry: list) -> None:
@@ -48,10 +53,19 @@ class TrackedState(MasterState):
         """What put_start answers: where to write, and the put id that ends (or revokes) it."""
         return {**self.wire(meta), "put_id": meta.put_id}
 
+    def stream_epoch(self, node_id: str) -> str:
+        """The epoch of the node's current delta stream (what its acks must name)."""
+        epoch = self._streams.get(node_id)
+        if epoch is None:
+            self._stream_count += 1
+            epoch = self._streams[node_id] = f"{self.epoch}.{self._stream_count}"
+        return epoch
+
     def take_deltas(self, node_id: str, epoch: str | None, ack: int) -> tuple[list, int]:
-        """Drop the node's deltas up to ``ack`` (if it speaks of ours); (the rest, last seq)."""
+        """Drop the node's deltas up to ``ack`` (if it speaks of its current stream); (the
+        rest, last seq)."""
         queue, base = self.deltas[node_id], self.delta_base[node_id]
-        if epoch == self.epoch and ack >= base:
+        if epoch == self.stream_epoch(node_id) and ack >= base:
             done = min(ack - base + 1, len(queue))
             del queue[:done]
             self.delta_base[node_id] = base = base + done
@@ -84,4 +98,5 @@ class TrackedState(MasterState):
     def drop_node(self, node_id: str) -> list[str]:
         self.deltas.pop(node_id, None)
         self.delta_base.pop(node_id, None)
+        self._streams.pop(node_id, None)
         return super().drop_node(node_id)
