@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 from fastapi import FastAPI, Request
@@ -71,9 +72,15 @@ class Conductor:
         headers = {"Authorization": f"Bearer {auth.internal_bearer(token)}"} if token else {}
         self.http = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(600.0, connect=3.0))
         self.relay = Relay(self.http, self.metrics, cluster.mark_failed)
+        # prefill calls block a thread for seconds each: they get their own threads, so the
+        # default executor stays free for admission (tokenizing, pool lookups) and a burst is
+        # rejected in milliseconds instead of queueing behind the prefills it would wait for
+        self._prefills = ThreadPoolExecutor(router.slo.max_inflight,
+                                            thread_name_prefix="kvpool-prefill-call")  # fmt: skip
 
     async def close(self) -> None:
         await self.http.aclose()
+        self._prefills.shutdown(wait=False, cancel_futures=True)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -190,13 +197,23 @@ class Conductor:
         self.metrics.routed.labels(w.view.id, "prefill").inc()
         rid = f"prefill-{uuid.uuid4().hex}"
         t0 = time.perf_counter()
+        # until it is done, this prefill is queue time for the next requests routed here (the
+        # worker's own report lags by a poll: a burst would all see an empty queue)
+        tokens = max(1, len(ids) - (route.prefill.local_blocks + route.prefill.pool_blocks) *
+                     self.cluster.block_size)  # fmt: skip
+        w.pending_tokens += tokens
+        try:
+            return await self._run_prefill(w, rid, ids, t0)
+        finally:
+            w.pending_tokens -= tokens
 
+    async def _run_prefill(self, w, rid: str, ids: list[int], t0: float) -> int | None:
         def call() -> dict:
             with RpcClient(w.view.rpc, token=self.token or "", timeout=self.prefill_timeout) as c:
                 return c.call("prefill", rid, ids, self.prefill_timeout)
 
         try:
-            result = await asyncio.to_thread(call)
+            result = await asyncio.get_running_loop().run_in_executor(self._prefills, call)
             self.metrics.prefill.observe(time.perf_counter() - t0)
             return int(result["cached_tokens"])
         except _CLIENT_FAULTS:

@@ -39,6 +39,8 @@ class _Worker:
     status: dict = field(default_factory=dict)
     inflight: int = 0
     failures: int = 0
+    pending_tokens: int = 0  # prompt tokens of the prefills routed here, not yet done
+    reported_queue: int = 0  # the queued prefill tokens of its last report
 
 
 class ClusterState:
@@ -142,6 +144,7 @@ class ClusterState:
         w.event_seq = int(st.get("event_seq", 0))
         w.status = st
         ld = st["load"]
+        w.reported_queue = int(ld["queued_prefill_tokens"])
         load = WorkerLoad(ld["queued_prefill_tokens"], ld["running"], ld["waiting"],
                           ld["kv_usage"], list(ld.get("remaining_tokens", [])), w.inflight)  # fmt: skip
         alive = bool(st.get("alive", True))
@@ -184,6 +187,7 @@ class ClusterState:
                 if w.view.alive and self._dead(w):
                     w.view.alive = False
                 w.view.load.inflight = w.inflight
+                w.view.load.queued_prefill_tokens = max(w.reported_queue, w.pending_tokens)
                 views.append(w.view)
         return ClusterSnapshot(views, block_bytes=self.block_bytes, pool_up=self.pool_up)
 

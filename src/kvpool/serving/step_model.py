@@ -44,7 +44,14 @@ class StepModel:
         pre = data[data[:, 0] > 0]
         per_token, pre_base = p.prefill_token_s, base
         if len(pre) >= MIN_SAMPLES // 2:
-            pre_base, per_token = _line(pre[:, 0], pre[:, 2] - per_seq * pre[:, 1], per_token)
+            y = pre[:, 2] - per_seq * pre[:, 1]
+            pre_base, per_token = _line(pre[:, 0], y, per_token)
+            if per_token <= 0 or pre_base < 0:
+                # prompts of nearly one length on a busy machine: the line is noise and its
+                # intercept a wild extrapolation (seconds of "base" that got every request
+                # rejected). A step's fixed cost is the decode base; tokens pay the rest.
+                pre_base = base
+                per_token = max(float(np.mean(y)) - base, 0.0) / float(np.mean(pre[:, 0]))
         return CostModel(
             prefill_base_s=max(pre_base, 1e-4),
             prefill_token_s=max(per_token, 1e-6),
