@@ -39,6 +39,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="segment directory of the pool: rpc://, http:// or etcd://HOST:PORT "
                         "(default: etcd://<--etcd> if given, else the store master's)")  # fmt: skip
     p.add_argument("--etcd", default=None, help="etcd endpoints to register in (HOST:PORT,...)")
+    p.add_argument("--pool-timeout", type=float, default=3.0,
+                   help="seconds a prefix load or a save may wait for the pool (an unreachable "
+                        "master or node, a master fail-over) before the worker recomputes or "
+                        "drops the save (default %(default)s)")  # fmt: skip
     cli_serve.add_engine_args(p)
     cli_serve.add_http_args(p)
     p.add_argument("--log-level", default="info",
@@ -93,9 +97,15 @@ def _connector(args: argparse.Namespace, token: str | None, parts: list):
     directory = args.directory or (
         f"etcd://{args.etcd}" if args.etcd else None
     )  # else the master's
+    wait = args.pool_timeout
+    if not wait > 0:
+        raise SystemExit("kvpool worker: --pool-timeout must be > 0")
     transfer = TransferConfig(host=args.host, transport=args.transport, directory=directory,
-                              auth_token=token or "")  # fmt: skip
-    client = StoreClient(args.store, transfer, token=token or "")
+                              auth_token=token or "", connect_timeout=min(wait, 5.0),
+                              request_timeout=wait)  # fmt: skip
+    # a load slower than recomputing is useless: fail fast, recompute, retry the pool later
+    client = StoreClient(args.store, transfer, token=token or "", timeout=wait,
+                         failover_timeout=wait)  # fmt: skip
     parts.append(client.close)
     return StoreConnector(client)
 

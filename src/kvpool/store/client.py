@@ -65,13 +65,15 @@ class StoreClient:
         timeout: float = 10.0,
         lease_cache: bool = True,
         admin_token: str | None = None,
+        failover_timeout: float = 15.0,
     ) -> None:
         token = auth.cluster_token(token)
         self._own_engine = not isinstance(transfer, TransferEngine)
         self.engine = transfer if isinstance(transfer, TransferEngine) else \
             TransferEngine(transfer_config(transfer, token, master))  # fmt: skip
+        # with etcd://, calls ride through a master fail-over for up to ``failover_timeout``
         self.master = MasterLink(master, token=token or "", timeout=timeout,
-                                 admin_token=admin_token)  # fmt: skip
+                                 failover_timeout=failover_timeout, admin_token=admin_token)  # fmt: skip
         self.timeout = timeout
         mac_key = auth.derive_key(token, auth.KV_MAC) if token else None
         self.io = ReplicaIO(self.engine, timeout, mac_key, self._report_unreachable)
