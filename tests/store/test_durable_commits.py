@@ -122,3 +122,34 @@ def test_node_indexes_match_the_master_through_evictions_removes_and_upserts():
             n.close()
         server.close()
         service.close()
+
+
+def test_a_node_that_does_not_confirm_stalls_one_put_not_all():
+    """A node that stops answering pushes (hung, not dead): the first put waits commit_wait,
+    is acknowledged anyway and counted; later puts do not wait for that node again until it
+    confirms."""
+    import time
+
+    service = MasterService(commit_wait=0.5)
+    server = service.serve()
+    node = StorageNode("hung", server.address, 16 << 20, TransferConfig(), heartbeat_interval=60.0)
+    client = StoreClient(server.address, TransferConfig())
+    try:
+        node.rpc.close()  # pushes to it now fail; its heartbeats (every 60 s) are far away
+        t0 = time.monotonic()
+        client.put("first", b"1" * 100)
+        first = time.monotonic() - t0
+        t0 = time.monotonic()
+        for i in range(5):
+            client.put(f"next{i}", b"2" * 100)
+        rest = time.monotonic() - t0
+        assert 0.4 < first < 3 and rest < 0.5, (first, rest)
+        assert service.stats()["unconfirmed_commits"] == 1
+        node.beat()  # it catches up: a heartbeat delivers every delta,
+        node.beat()  # the next acknowledges them: it is waited for again
+        assert "next4" in node.index and service._unconfirmed == set()
+    finally:
+        client.close()
+        node.close()
+        server.close()
+        service.close()

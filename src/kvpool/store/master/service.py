@@ -113,6 +113,7 @@ class MasterService:
         self.state.mover = self._move
         self.lock = threading.Lock()
         self._acked = threading.Condition(self.lock)  # a node acknowledged deltas
+        self._unconfirmed: set[str] = set()  # nodes that let a commit wait time out
         self.nudger = Nudger(self._node_addresses.get, token, self._take_push, self._push_acked,
                              min_gap=0.0 if commit_wait > 0 else 0.005)  # fmt: skip
         self.state.on_delta = self.nudger.mark
@@ -202,6 +203,8 @@ class MasterService:
             known = self.state.heartbeat(node_id, _str(incarnation))
             deltas, seq = self.state.take_deltas(node_id, epoch, _int(ack, "ack")) if known \
                 else ([], 0)  # fmt: skip
+            if known and not deltas:  # it holds everything: wait for it again
+                self._unconfirmed.discard(node_id)
             self._acked.notify_all()
         epoch = self.state.stream_epoch(node_id) if known else None
         return {"known": known, "deltas": deltas, "epoch": epoch, "seq": seq}
@@ -272,7 +275,8 @@ class MasterService:
             return {}
         st = self.state
         nodes = {r.node_id for k in keys if k in st.objects for r in st.objects[k].replicas}
-        return {n: st.delta_base[n] + len(st.deltas[n]) - 1 for n in nodes if n in st.deltas}
+        return {n: st.delta_base[n] + len(st.deltas[n]) - 1 for n in nodes
+                if n in st.deltas and n not in self._unconfirmed}  # fmt: skip
 
     def _wait_durable(self, marks: dict[str, int]) -> None:
         """Wait (lock held; the wait releases it) until every node acknowledged its mark, left,
@@ -289,6 +293,14 @@ class MasterService:
             left = deadline - time.monotonic()
             if left <= 0:
                 st.counters["unconfirmed_commits"] += 1
+                # a node that does not confirm is not waited for again until it does (the
+                # master serves its calls on one thread: a hung node must not stall them all)
+                late = {n for n, seq in marks.items() if n in st.deltas and st.delta_base[n] <= seq}
+                if late - self._unconfirmed:
+                    logger.warning("master: nodes %s did not confirm index entries within "
+                                   "%.1f s; not waiting for them until they do", sorted(late),
+                                   self.commit_wait)  # fmt: skip
+                self._unconfirmed |= late
                 return
             self._acked.wait(left)
 
@@ -303,6 +315,7 @@ class MasterService:
         with self.lock:
             if node_id in self.state.deltas:
                 self.state.take_deltas(node_id, epoch, seq)
+            self._unconfirmed.discard(node_id)
             self._acked.notify_all()
 
     @rpc_method
