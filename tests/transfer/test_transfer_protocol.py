@@ -131,3 +131,26 @@ def test_peers_map_only_plain_shm_files_of_their_own_user(tmp_path):
     for name in ["../../etc/passwd", str(target)]:
         with pytest.raises(BadRequestError, match="not a kvpool shared-memory name"):
             SharedRegion(name, 4096, create=False)
+
+
+def test_a_driver_with_nothing_to_read_on_a_connection_returns():
+    """A striped request's frames travel on two connections; the caller drives each in turn.
+    On the one whose frames are all received (by its receiver thread), with nothing queued,
+    drive must return (the caller then waits for the handle) instead of waiting for a
+    notify that never comes (that polled every 50 ms: 4 MiB gets took 52 ms instead of 2)."""
+    import socket
+    import threading
+
+    from kvpool.transfer.transports.tcp_conn import Connection
+
+    a, b = socket.socketpair()
+    conn = Connection(a, "test-peer", inline_bytes=1 << 20)
+    try:
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (conn.drive(None, lambda: False), done.set()))
+        t.start()
+        assert done.wait(5), "drive kept waiting on a connection with nothing to read"
+        t.join(5)
+    finally:
+        conn.abort("test over")
+        b.close()

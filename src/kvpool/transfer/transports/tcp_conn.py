@@ -189,6 +189,12 @@ class Connection:
         while not finished():
             with self._lock:
                 while not self.dead and not finished() and (self._reading or not self._trains):
+                    if not self._reading and not self._queue:
+                        # nothing left to read here: what is missing travels on another
+                        # connection (a striped request), read by its own reader; the caller
+                        # waits for the handle (waiting here would wait for a notify that
+                        # never comes, until the 50 ms poll)
+                        return
                     self._role_cv.wait(0.05)
                 if self.dead or finished():
                     return
