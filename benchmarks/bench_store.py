@@ -7,7 +7,11 @@ the memory:
 - kvpool: ``kvpool store master`` + one ``kvpool store node --memory 1GiB`` (the holder), an
   HTTP segment directory (``MetadataServer``, in this process); the client is ``StoreClient``
   with ``TransferConfig(transport="tcp")`` (``kvpool_tcp``: the like-for-like comparison) and
-  again with ``transport="auto"`` (``kvpool_shm``: the same-host shared-memory path). Single:
+  again with ``transport="auto"`` (``kvpool_shm``: the same-host shared-memory path), both with
+  the client's lease cache **off**: every get asks the master, as the peers' clients do (the
+  headline ratios). ``kvpool_tcp_cached`` / ``kvpool_shm_cached``: the same with the lease
+  cache on (repeated reads within a read lease skip the master; kvpool's own feature: its own
+  rows and ``cached_*`` ratios, with the cache's hits and misses in the JSON). Single:
   ``put`` / ``get_into``; batched: ``batch_put`` / ``batch_get_into``. ``kvpool_mac``: a second
   such pool started with a cluster token, the client over TCP like ``kvpool_tcp``: every value
   carries a keyed BLAKE3 MAC instead of xxh3 (a feature of kvpool's: its own ratios,
@@ -30,8 +34,9 @@ a sample of gets is checked byte for byte; the first call of each measurement is
 warm-up. ``--json PATH`` writes "figures" (``<system>_<op>_<single|batch>_<size>_<GBps|ops|
 p50_us|p99_us>``, ops = values/s) and "ratios" (kvpool over TCP against a peer, e.g.
 ``get_vs_mooncake_1MiB``, ``batch_put_vs_redis_8MiB``, ``ops_vs_mooncake_4KiB`` = batched gets/s;
-``shm_*``: the same-host path against Mooncake over TCP; ``mac_*_vs_open_*``: the token pool
-against the open one); ``--plot PATH`` draws GB/s per size.
+``shm_*``: the same-host path against Mooncake over TCP; ``cached_*``, ``cached_shm_*``: with
+the lease cache; ``mac_*_vs_open_*``: the token pool against the open one) and figures
+``<system>_lease_cache_hits`` / ``_misses``; ``--plot PATH`` draws GB/s per size.
 
     .venv/bin/python benchmarks/bench_store.py --quick
     .venv/bin/python benchmarks/bench_store.py --json docs/results/bench_store.json
@@ -66,7 +71,14 @@ POOL_BYTES = GiB  # kvpool node memory and Mooncake's global segment
 WARM_BYTES = 768 * MiB  # touched once before timing (both pools allocate their pages lazily)
 MAX_RESIDENT_KEYS = 8192
 LOGS = CACHE / "store-logs"
-SYSTEMS = ("kvpool_tcp", "kvpool_shm", "kvpool_mac", "mooncake", "redis")
+SYSTEMS = ("kvpool_tcp", "kvpool_shm", "kvpool_tcp_cached", "kvpool_shm_cached", "kvpool_mac",
+           "mooncake", "redis")  # fmt: skip
+KVPOOL_SYSTEMS = {  # system -> (transport, client lease cache)
+    "kvpool_tcp": ("tcp", False),
+    "kvpool_shm": ("auto", False),
+    "kvpool_tcp_cached": ("tcp", True),
+    "kvpool_shm_cached": ("auto", True),
+}
 MAC_TOKEN, MAC_ADMIN = "bench-store-cluster-token", "bench-store-admin-token"
 _TOKEN_VARS = ("KVPOOL_AUTH_TOKEN", "KVPOOL_AUTH_TOKEN_FILE", "KVPOOL_ADMIN_TOKEN",
                "KVPOOL_ADMIN_TOKEN_FILE")  # fmt: skip
@@ -300,9 +312,12 @@ class KvpoolStore:
 
 def kvpool_driver(cfg: dict) -> dict:
     store = KvpoolStore(cfg["master"], cfg["directory"], cfg["transport"],
-                        cfg.get("lease_cache", True))  # fmt: skip
+                        cfg.get("lease_cache", False))  # fmt: skip
     try:
         out = run_workload(store, cfg)
+        leases = store.client.leases
+        out["lease_cache"] = {"enabled": leases.enabled, "hits": leases.hits,
+                              "misses": leases.misses}  # fmt: skip
     finally:
         store.close()
     return out
@@ -358,8 +373,9 @@ class KvpoolPool:
             for k in keys:
                 c.remove(k, force=True)
 
-    def driver_cmd(self, transport: str, cfg: dict) -> list[str]:
-        cfg = {**cfg, "master": self.master, "directory": self.directory, "transport": transport}
+    def driver_cmd(self, transport: str, lease_cache: bool, cfg: dict) -> list[str]:
+        cfg = {**cfg, "master": self.master, "directory": self.directory, "transport": transport,
+               "lease_cache": lease_cache}  # fmt: skip
         return [sys.executable, str(Path(__file__).resolve()), "--driver", json.dumps(cfg)]
 
     def close(self) -> None:
@@ -449,6 +465,11 @@ def aggregate(res: Results, rounds: list[dict[str, dict]], labels: list[str]) ->
             ratio(f"mac_batch_{op}_vs_open_{label}", "kvpool_mac", "kvpool_tcp",
                   f"{op}_batch_{label}")  # fmt: skip
             ratio(f"shm_{op}_vs_mooncake_{label}", "kvpool_shm", "mooncake", f"{op}_single_{label}")
+            # the client's lease cache, kvpool's own feature: its own rows, never the headline
+            ratio(f"cached_{op}_vs_mooncake_{label}", "kvpool_tcp_cached", "mooncake",
+                  f"{op}_single_{label}")  # fmt: skip
+            ratio(f"cached_shm_{op}_vs_mooncake_{label}", "kvpool_shm_cached", "mooncake",
+                  f"{op}_single_{label}")  # fmt: skip
             ratio(
                 f"shm_batch_{op}_vs_mooncake_{label}",
                 "kvpool_shm",
@@ -515,6 +536,8 @@ def plot(res: Results, labels: list[str], path: str) -> None:
     names = {
         "kvpool_tcp": "kvpool (TCP)",
         "kvpool_shm": "kvpool (same-host shm)",
+        "kvpool_tcp_cached": "kvpool (TCP, lease cache)",
+        "kvpool_shm_cached": "kvpool (shm, lease cache)",
         "kvpool_mac": "kvpool (TCP, token: MACs)",
         "mooncake": "Mooncake Store (TCP)",
         "redis": "Redis (TCP)",
@@ -546,9 +569,6 @@ def main() -> None:
     ap.add_argument("--sizes", default=",".join(SIZES), help="subset of " + ",".join(SIZES))
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="subset of " + ",".join(SYSTEMS))
     ap.add_argument("--resident", default="384MiB", help="resident bytes per measurement, at most")
-    ap.add_argument("--no-lease-cache", action="store_true",
-                    help="kvpool asks the master on every get, like the peers (default: "
-                         "repeated reads within a read lease go straight to the replica)")  # fmt: skip
     ap.add_argument("--json", default=None, help="write figures and ratios here")
     ap.add_argument("--plot", default=None, help="draw a PNG here")
     ap.add_argument("--driver", default=None, help=argparse.SUPPRESS)
@@ -576,7 +596,6 @@ def main() -> None:
         "seconds": seconds,
         "max_ops": max_ops,
         "resident_bytes": resident,
-        "lease_cache": not args.no_lease_cache,
     }
     res = Results("bench_store", vars(args).copy())
     res.args.update(
@@ -600,17 +619,17 @@ def main() -> None:
     pool = mac = moon = red = None
     runners: dict[str, tuple] = {}  # system -> (cfg -> driver argv, env)
     try:
-        if {"kvpool_tcp", "kvpool_shm"} & set(systems):
+        if set(KVPOOL_SYSTEMS) & set(systems):
             log("kvpool: starting the segment directory, master and a 1 GiB node")
             pool = KvpoolPool()
             log(f"kvpool: master {pool.master}, directory {pool.directory}; pool warmed")
-            for system, transport in (("kvpool_tcp", "tcp"), ("kvpool_shm", "auto")):
+            for system, (transport, cached) in KVPOOL_SYSTEMS.items():
                 if system in systems:
-                    runners[system] = (partial(pool.driver_cmd, transport), pool.env)
+                    runners[system] = (partial(pool.driver_cmd, transport, cached), pool.env)
         if "kvpool_mac" in systems:
             log("kvpool: starting a second pool with a cluster token (keyed MACs)")
             mac = KvpoolPool(MAC_TOKEN)
-            runners["kvpool_mac"] = (partial(mac.driver_cmd, "tcp"), mac.env)
+            runners["kvpool_mac"] = (partial(mac.driver_cmd, "tcp", False), mac.env)
         if "mooncake" in systems:
             moon = mc.MooncakeStorePool.start(POOL_BYTES, WARM_BYTES, LOGS)
             if moon is None:
@@ -640,6 +659,9 @@ def main() -> None:
                 out = run_driver(system, cmd, env, timeout)
                 if out is not None:
                     got[system] = out
+                    if "lease_cache" in out:
+                        hits = res.args.setdefault("lease_cache_hits", {})
+                        hits.setdefault(system, []).append(out["lease_cache"])
                     log(f"  {headline(out['cells'])}")
                     if system == "redis":
                         res.args.update(out.get("info", {}))
@@ -651,6 +673,9 @@ def main() -> None:
 
     present = [s for s in SYSTEMS if any(s in r for r in rounds)]
     aggregate(res, rounds, labels)
+    for system, per_round in res.args.get("lease_cache_hits", {}).items():
+        res.figures[f"{system}_lease_cache_hits"] = sum(r["hits"] for r in per_round)
+        res.figures[f"{system}_lease_cache_misses"] = sum(r["misses"] for r in per_round)
     res.args["systems_measured"] = present
     res.args["run_seconds"] = round(time.monotonic() - started, 1)
     print_table(res, labels, present)
@@ -660,6 +685,8 @@ def main() -> None:
         "get_vs_redis_1MiB",
         "ops_vs_mooncake_4KiB",
         "shm_get_vs_mooncake_1MiB",
+        "cached_get_vs_mooncake_1MiB",
+        "cached_shm_get_vs_mooncake_1MiB",
         "mac_get_vs_open_1MiB",
         "mac_put_vs_open_1MiB",
     ):
