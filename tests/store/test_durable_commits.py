@@ -147,7 +147,7 @@ def test_a_node_that_does_not_confirm_stalls_one_put_not_all():
         assert service.stats()["unconfirmed_commits"] == 1
         node.beat()  # it catches up: a heartbeat delivers every delta,
         node.beat()  # the next acknowledges them: it is waited for again
-        assert "next4" in node.index and service._unconfirmed == set()
+        assert "next4" in node.index and service.commits.unconfirmed == set()
     finally:
         client.close()
         node.close()

@@ -29,6 +29,7 @@ from kvpool.common.rpc import (
     rpc_methods,
 )
 from kvpool.config import MAX_REPLICAS, MasterConfig
+from kvpool.store.master.commits import Commits
 from kvpool.store.master.nudge import Nudger
 from kvpool.store.master.objects import PutOptions, Replica, Tier
 from kvpool.store.master.tracked import TrackedState
@@ -101,7 +102,6 @@ class MasterService:
         answers once the nodes of the object hold its index delta (at most that many seconds),
         so a standby elected right after rebuilds every acknowledged put."""
         self.config = config or MasterConfig()
-        self.commit_wait = commit_wait
         self.state = TrackedState(self.config, clock)
         # A master elected after a fail-over starts empty: until the nodes have mounted again
         # and reported, a miss may only mean "not reported yet", so answer "retry" instead.
@@ -112,10 +112,9 @@ class MasterService:
         self.directory = DirectoryService()  # the pool's segment directory (rpc://<address>)
         self.state.mover = self._move
         self.lock = threading.Lock()
-        self._acked = threading.Condition(self.lock)  # a node acknowledged deltas
-        self._unconfirmed: set[str] = set()  # nodes that let a commit wait time out
-        self.nudger = Nudger(self._node_addresses.get, token, self._take_push, self._push_acked,
-                             min_gap=0.0 if commit_wait > 0 else 0.005)  # fmt: skip
+        self.commits = Commits(self.state, self.lock, commit_wait)
+        self.nudger = Nudger(self._node_addresses.get, token, self.commits.take,
+                             self.commits.acked, min_gap=0.0 if commit_wait > 0 else 0.005)  # fmt: skip
         self.state.on_delta = self.nudger.mark
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="kvpool-master", daemon=True)
@@ -203,10 +202,8 @@ class MasterService:
             known = self.state.heartbeat(node_id, _str(incarnation))
             deltas, seq = self.state.take_deltas(node_id, epoch, _int(ack, "ack")) if known \
                 else ([], 0)  # fmt: skip
-            if known and not deltas:  # it holds everything: wait for it again
-                self._unconfirmed.discard(node_id)
-            self._acked.notify_all()
-        epoch = self.state.stream_epoch(node_id) if known else None
+            self.commits.heard(node_id, known and not deltas)
+            epoch = self.state.stream_epoch(node_id) if known else None
         return {"known": known, "deltas": deltas, "epoch": epoch, "seq": seq}
 
     @rpc_method(bulk=True)
@@ -264,59 +261,8 @@ class MasterService:
     def put_end(self, key: str, put_id: int, checksum: int) -> bool:
         with self.lock:
             self.state.put_end(key, put_id, checksum)
-            self._wait_durable(self._delta_marks([key]))
+            self.commits.wait(self.commits.marks([key]))
         return True
-
-    # -- durable commits ------------------------------------------------------------------------
-
-    def _delta_marks(self, keys: list[str]) -> dict[str, int]:
-        """Per node, the seq of the last delta queued for it (lock held); {} unless durable."""
-        if self.commit_wait <= 0:
-            return {}
-        st = self.state
-        nodes = {r.node_id for k in keys if k in st.objects for r in st.objects[k].replicas}
-        return {n: st.delta_base[n] + len(st.deltas[n]) - 1 for n in nodes
-                if n in st.deltas and n not in self._unconfirmed}  # fmt: skip
-
-    def _wait_durable(self, marks: dict[str, int]) -> None:
-        """Wait (lock held; the wait releases it) until every node acknowledged its mark, left,
-        or ``commit_wait`` passed (then the put is acknowledged anyway, and counted)."""
-        if not marks:
-            return
-        st = self.state
-        deadline = time.monotonic() + self.commit_wait
-
-        def durable() -> bool:
-            return all(n not in st.deltas or st.delta_base[n] > seq for n, seq in marks.items())
-
-        while not durable():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                st.counters["unconfirmed_commits"] += 1
-                # a node that does not confirm is not waited for again until it does (the
-                # master serves its calls on one thread: a hung node must not stall them all)
-                late = {n for n, seq in marks.items() if n in st.deltas and st.delta_base[n] <= seq}
-                if late - self._unconfirmed:
-                    logger.warning("master: nodes %s did not confirm index entries within "
-                                   "%.1f s; not waiting for them until they do", sorted(late),
-                                   self.commit_wait)  # fmt: skip
-                self._unconfirmed |= late
-                return
-            self._acked.wait(left)
-
-    def _take_push(self, node_id: str) -> tuple[str, list, int] | None:
-        with self.lock:
-            if node_id not in self.state.deltas or not self.state.deltas[node_id]:
-                return None
-            entries, seq = self.state.take_deltas(node_id, None, 0)
-            return self.state.stream_epoch(node_id), entries, seq
-
-    def _push_acked(self, node_id: str, epoch: str, seq: int) -> None:
-        with self.lock:
-            if node_id in self.state.deltas:
-                self.state.take_deltas(node_id, epoch, seq)
-            self._unconfirmed.discard(node_id)
-            self._acked.notify_all()
 
     @rpc_method
     def put_revoke(self, key: str, put_id: int) -> bool:
@@ -371,7 +317,7 @@ class MasterService:
                 except NotFoundError:
                     out.append(False)
             ended = [item[0] for item, ok in zip(items, out, strict=True) if ok]
-            self._wait_durable(self._delta_marks(ended))
+            self.commits.wait(self.commits.marks(ended))
         return out
 
     @rpc_method(bulk=True)
