@@ -61,9 +61,9 @@ class StorageNode:
             safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in node_id)
             path = os.path.join(ssd_path, f"kvpool-{safe}-{os.getpid()}.ssd")
             self.ssd = self.engine.register(f"{node_id}/ssd", size=ssd_size, path=path)
-        # the master asks this node to copy objects between its tiers
-        self.rpc = RpcServer({"copy": self.copy, "poke": self.poke, "deltas": self.deltas}, self.engine.config.host, 0,
-                             token or "").start()  # fmt: skip
+        # the master asks this node to copy objects between its tiers, and pushes index deltas
+        self.rpc = RpcServer({"copy": self.copy, "deltas": self.deltas}, self.engine.config.host,
+                             0, token or "").start()  # fmt: skip
         self.master = MasterLink(master, token=token or "", timeout=5.0)
         # key -> (segment, offset, size, checksum)
         self.index: dict[str, tuple[str, int, int, int | None]] = {}
@@ -71,7 +71,7 @@ class StorageNode:
         self._interval = heartbeat_interval
         self._ack: tuple[str | None, int] = (None, 0)  # (master epoch, last delta seq applied)
         self._stop = threading.Event()
-        self._wake = threading.Event()  # the master has deltas for us: heartbeat now
+        self._wake = threading.Event()  # heartbeat now (a new master to follow, or closing)
         self._mount()
         self._thread = threading.Thread(target=self._beat_loop, name="kvpool-node", daemon=True)
         self._thread.start()
@@ -146,11 +146,6 @@ class StorageNode:
         ):
             raise BadRequestError("copy range outside the node's segments")
         np.copyto(b[dst_offset : dst_offset + size], a[src_offset : src_offset + size])
-        return True
-
-    def poke(self) -> bool:
-        """The master has index deltas for this node: fetch them now (not at the next beat)."""
-        self._wake.set()
         return True
 
     def _beat_loop(self) -> None:
