@@ -59,6 +59,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; default: all cores
     served_model_name: str | None = None
     use_kernels: bool = True  # compiled paged-attention kernel (falls back if unavailable)
+    kv_load_timeout_s: float = 10.0  # a background prefix load slower than this is recomputed
 
     def __post_init__(self) -> None:
         if self.dtype in ("bf16", "auto"):

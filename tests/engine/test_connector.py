@@ -5,7 +5,7 @@ import threading
 import torch
 
 from kvpool import SamplingParams
-from kvpool.engine.connector import BlockRef, KVConnector
+from kvpool.engine.connectors.base import BlockRef, KVConnector
 
 
 class DictConnector(KVConnector):
@@ -19,6 +19,7 @@ class DictConnector(KVConnector):
         self._threads: list[threading.Thread] = []
 
     def bind(self, kv_cache, block_size, namespace):
+        super().bind(kv_cache, block_size, namespace)
         self.kv = kv_cache
 
     def num_loadable_blocks(self, block_hashes, start):

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from kvpool import SamplingParams
 from kvpool.common.errors import KVPoolError
 from kvpool.common.hashing import block_hashes
-from kvpool.serving.store_connector import MAGIC, StoreConnector, block_key
+from kvpool.engine.connectors.store import StoreConnector
+from kvpool.protocol.kv_object import MAGIC, block_key
 from kvpool.store.embedded import EmbeddedStore
 
 
@@ -114,3 +117,69 @@ def test_unreachable_pool_falls_back_to_local_compute(tiny_engine_factory):
             store.exists("x")
     finally:
         store.close()
+
+
+def warm_pool(pool, tiny_engine_factory, prompt, sp):
+    """Compute ``prompt`` once so its blocks sit in ``pool``; its cold output and hashes."""
+    conn = StoreConnector(pool)
+    eng = tiny_engine_factory(connector=conn)
+    cold = run(eng, prompt, sp).outputs[0].token_ids
+    hashes = eng.pool.cached_hashes()
+    assert conn.wait_saved(hashes, 10)
+    eng.close()
+    return cold, hashes
+
+
+def test_pool_lookups_and_loads_run_off_the_engine_thread(pool, tiny_engine_factory):
+    prompt = prompt_of(5, 41)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    cold, _ = warm_pool(pool, tiny_engine_factory, prompt, sp)
+    threads = []
+    for name in ("batch_exists", "batch_get_into_parts"):
+        real = getattr(pool, name)
+
+        def spy(*a, _real=real, _name=name, **kw):
+            threads.append((_name, threading.current_thread().name))
+            return _real(*a, **kw)
+
+        setattr(pool, name, spy)
+    conn = StoreConnector(pool)
+    eng = tiny_engine_factory(connector=conn)
+    out = run(eng, prompt, sp)
+    eng.close()
+    assert out.outputs[0].token_ids == cold and out.num_cached_tokens == 40
+    assert eng.scheduler.stats.loads_started == 1
+    assert ("batch_exists", "kvpool-kv-lookup") in threads
+    assert ("batch_get_into_parts", "kvpool-kv-load") in threads
+    assert all(t.startswith("kvpool-kv-") for _, t in threads), threads  # never the step
+
+
+def test_synchronous_switch_loads_inside_the_step(pool, tiny_engine_factory):
+    prompt = prompt_of(6, 41)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    cold, _ = warm_pool(pool, tiny_engine_factory, prompt, sp)
+    conn = StoreConnector(pool, async_load=False)
+    eng = tiny_engine_factory(connector=conn)
+    out = run(eng, prompt, sp)
+    eng.close()
+    assert out.outputs[0].token_ids == cold and out.num_cached_tokens == 40
+    assert eng.scheduler.stats.loads_started == 0 and conn.stats.loaded_blocks == 10
+
+
+def test_stale_view_costs_a_short_load_and_recompute(pool, tiny_engine_factory):
+    prompt = prompt_of(7, 41)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    cold, _ = warm_pool(pool, tiny_engine_factory, prompt, sp)
+    conn = StoreConnector(pool)
+    eng = tiny_engine_factory(connector=conn)
+    hashes = block_hashes(prompt, 4, eng.kv_manager.hash_seed)
+    conn.view.mark(hashes, True)  # believed present...
+    pool.remove(block_key(hashes[5]), force=True)  # ...but block 5 is gone
+    out = run(eng, prompt, sp)
+    eng.close()
+    assert out.outputs[0].token_ids == cold
+    assert out.num_cached_tokens == 20  # blocks 0-4 loaded, the rest recomputed
+    assert eng.scheduler.stats.loads_partial == 1
+    # the recomputed blocks were saved back, and the view learned it from the saves
+    assert pool.exists(block_key(hashes[5]))
+    assert conn.view.leading(hashes[:10]) == (10, True)

@@ -101,8 +101,8 @@ class AsyncLLMEngine:
     def _loop(self) -> None:
         eng = self.engine
         while not self._stop.is_set():
-            self._drain(block=not eng.has_unfinished_requests())
-            if not eng.has_unfinished_requests():
+            self._drain(block=not eng.has_work())
+            if not eng.has_work():
                 continue
             try:
                 outs = eng.step()

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 from kvpool.common.hashing import block_hashes
 from kvpool.engine.block_pool import BlockPool, KVBlock
-from kvpool.engine.connector import BlockRef
+from kvpool.engine.connectors.base import BlockRef
 from kvpool.engine.request import Request
 
 
@@ -125,6 +125,18 @@ class KVCacheManager:
 
     def get_blocks(self, req: Request) -> list[KVBlock]:
         return self._blocks.get(req.request_id, [])
+
+    def detach(self, req: Request) -> list[KVBlock]:
+        """Take ``req``'s blocks out of its table without freeing them (a load may still be
+        writing into them); hand them to :meth:`release` once it has stopped."""
+        blocks = self._blocks.pop(req.request_id, [])
+        self._num_registered.pop(req.request_id, None)
+        req.block_ids = []
+        return blocks
+
+    def release(self, blocks: list[KVBlock]) -> None:
+        """Free blocks taken out by :meth:`detach`."""
+        self.pool.free(list(reversed(blocks)))
 
     def free(self, req: Request) -> None:
         """Release every block of ``req`` (tail first, so tails are evicted before heads)."""

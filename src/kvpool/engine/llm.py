@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from kvpool.config import EngineConfig
-from kvpool.engine.connector import KVConnector
+from kvpool.engine.connectors.base import KVConnector
 from kvpool.engine.llm_engine import LLMEngine
 from kvpool.engine.request import RequestOutput
 from kvpool.engine.sampling import SamplingParams

@@ -13,7 +13,7 @@ from kvpool.common.errors import BadRequestError, NotFoundError
 from kvpool.common.hashing import kv_namespace, namespace_seed
 from kvpool.config import EngineConfig
 from kvpool.engine.block_pool import BlockPool
-from kvpool.engine.connector import BlockRef, KVConnector, NoopConnector
+from kvpool.engine.connectors.base import BlockRef, KVConnector, NoopConnector
 from kvpool.engine.kv_cache_manager import KVCacheManager
 from kvpool.engine.limits import check_context_length, check_prompt_chars, check_token_ids
 from kvpool.engine.model_runner import (
@@ -89,11 +89,9 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(self.pool, bs, namespace_seed(self.namespace))
         self.connector = connector or NoopConnector()
         self.connector.bind(self.kv_cache, bs, self.namespace)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
-            self.kv_manager,
-            self.connector,
-        )
+        sched = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                config.kv_load_timeout_s)  # fmt: skip
+        self.scheduler = Scheduler(sched, self.kv_manager, self.connector)
         kernels = paged_kernels() if config.use_kernels else None
         self.runner = ModelRunner(self.model, self.kv_cache, bs, kernels)
         self.output = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)
@@ -101,6 +99,7 @@ class LLMEngine:
         self._saving: dict[int, int] = {}  # block id -> references held for connector saves
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.load_stall_seconds = 0.0  # steps with nothing to run while prefixes were loading
         # (prefill tokens, decoding sequences, seconds) of recent steps: cost-model samples
         self.step_times: deque[tuple[int, int, float]] = deque(maxlen=512)
         logger.info(
@@ -167,6 +166,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_work(self) -> bool:
+        """Requests to run, or background loads to collect (an aborted request's, say)."""
+        return bool(self.requests) or self.scheduler.has_work()
+
     # -- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -174,6 +177,11 @@ class LLMEngine:
         self._release_saved()
         sched = self.scheduler.schedule()
         if not sched.chunks:
+            if self.scheduler.has_work():  # everything waits for the pool: sleep until it answers
+                t0 = time.perf_counter()
+                self.connector.wait_for_events(0.005)
+                if self.scheduler.loading:
+                    self.load_stall_seconds += time.perf_counter() - t0
             return []
         t0 = time.perf_counter()
         try:

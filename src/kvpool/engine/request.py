@@ -13,6 +13,7 @@ from kvpool.engine.sampling import SamplingParams, make_generator
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # its prefix is being loaded
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"

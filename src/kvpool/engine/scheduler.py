@@ -6,6 +6,12 @@ to waiting ones, oldest first. A request's prompt that does not fit the remainin
 into chunks, so long prompts interleave with decodes instead of stalling them. When the pool
 runs out of blocks the most recently admitted running request is preempted: its blocks are
 freed and it is recomputed later (its cached prefix usually survives in the prefix cache).
+
+Prefix blocks the connector holds are loaded in the background when it says so: the request
+gets its blocks, waits in ``WAITING_FOR_REMOTE_KVS`` while everything else keeps stepping, and
+returns to the front of the queue once the load reports back, with the loaded prefix counted
+as computed. A load that fails, loads only a prefix, or misses its deadline costs nothing but
+recompute (a late load's blocks are set aside until it stops writing into them).
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvpool.engine.connector import BlockRef, KVConnector, NoopConnector
+from kvpool.engine.block_pool import KVBlock
+from kvpool.engine.connectors.base import BlockRef, KVConnector, NoopConnector
 from kvpool.engine.kv_cache_manager import KVCacheManager
 from kvpool.engine.model_runner import ScheduledChunk
 from kvpool.engine.request import Request, RequestStatus
@@ -27,8 +34,11 @@ logger = logging.getLogger(__name__)
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    kv_load_timeout_s: float = 10.0  # an asynchronous load taking longer is recomputed
 
     def __post_init__(self) -> None:
+        if not self.kv_load_timeout_s > 0:
+            raise ValueError("kv_load_timeout_s must be > 0")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
@@ -42,6 +52,19 @@ class SchedulerStats:
     external_hits: int = 0  # of which loaded through the connector
     preemptions: int = 0
     steps: int = 0
+    loads_started: int = 0  # asynchronous prefix loads
+    loads_partial: int = 0  # of which loaded less than asked (the rest recomputed)
+    load_timeouts: int = 0  # of which missed their deadline (all recomputed)
+
+
+@dataclass(slots=True)
+class _Load:
+    """A request whose prefix blocks are being loaded in the background."""
+
+    req: Request
+    hit_tokens: int  # from the engine's own prefix cache
+    num_blocks: int  # asked of the connector, after those
+    deadline: float
 
 
 @dataclass(slots=True)
@@ -64,15 +87,20 @@ class Scheduler:
         self.connector = connector or NoopConnector()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: dict[str, _Load] = {}
+        self._ready: set[str] = set()  # loaded, back in ``waiting`` with their blocks
+        self._no_external: set[str] = set()  # their load timed out: compute everything
+        self._orphans: dict[str, list[KVBlock]] = {}  # abandoned loads' blocks, until reported
         self.stats = SchedulerStats()
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading or self._orphans)
 
     def schedule(self) -> Schedule:
+        self._collect_loads()
         out = Schedule()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
@@ -110,61 +138,187 @@ class Scheduler:
         logger.debug("preempted %s", req)
 
     def _schedule_waiting(self, out: Schedule, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            hit = self.kv.find_prefix(req)
-            n_ext = self._external_blocks(req, len(hit.blocks))
-            ext_tokens = n_ext * self.kv.block_size
-            computed = hit.num_tokens + ext_tokens
+        skipped: list[Request] = []  # the connector cannot tell yet: ask again next step
+        try:
+            while self.waiting and budget > 0 and self._seats():
+                req = self.waiting[0]
+                if req.request_id in self._ready:  # its prefix was loaded in the background
+                    n = min(req.num_tokens - req.num_computed_tokens, budget)
+                    if self.kv.allocate(req, n) is None:
+                        break
+                    self.waiting.popleft()
+                    self._ready.discard(req.request_id)
+                    self._start(out, req, req.num_computed_tokens, n)
+                    budget -= n
+                    continue
+                hit = self.kv.find_prefix(req)
+                ext, load_async = self._external_tokens(req, hit.num_tokens)
+                if ext is None:
+                    skipped.append(self.waiting.popleft())
+                    continue
+                if ext and load_async:
+                    if self.kv.allocate(req, 0, prefix=hit.blocks, num_external=ext) is None:
+                        break
+                    self.waiting.popleft()
+                    self._start_load(req, hit.num_tokens, ext // self.kv.block_size)
+                    continue
+                budget -= self._admit_sync(out, req, hit, ext, budget)
+                if req.status is not RequestStatus.RUNNING:
+                    break  # not enough free blocks: wait for running requests to finish
+        finally:
+            self.waiting.extendleft(reversed(skipped))
+
+    def _seats(self) -> bool:
+        return len(self.running) + len(self.loading) < self.config.max_num_seqs
+
+    def _admit_sync(self, out: Schedule, req: Request, hit, ext: int, budget: int) -> int:
+        """Admit ``req`` with a synchronous external load (if any); the tokens scheduled."""
+        computed = hit.num_tokens + ext
+        n = min(req.num_tokens - computed, budget)
+        if self.kv.allocate(req, n, prefix=hit.blocks, num_external=ext) is None:
+            return 0
+        self.waiting.popleft()
+        req.num_computed_tokens = hit.num_tokens
+        if ext:
+            start, count = len(hit.blocks), ext // self.kv.block_size
+            computed = hit.num_tokens + self._load_external(req, start, count)
+            req.num_computed_tokens = computed
             n = min(req.num_tokens - computed, budget)
-            new = self.kv.allocate(req, n, prefix=hit.blocks, num_external=ext_tokens)
-            if new is None:
-                break  # not enough free blocks: wait for running requests to finish
-            self.waiting.popleft()
-            req.num_computed_tokens = hit.num_tokens
-            if n_ext:
-                computed = hit.num_tokens + self._load_external(req, len(hit.blocks), n_ext)
-                req.num_computed_tokens = computed
-                n = min(req.num_tokens - computed, budget)
-            if req.num_cached_tokens < 0:  # first admission: count the prefix cache query
-                req.num_cached_tokens = computed
-                self.stats.prefix_queries += req.num_prompt_tokens
-                self.stats.prefix_hits += hit.num_tokens
-                self.stats.external_hits += computed - hit.num_tokens
-                req.metrics.first_scheduled_time = time.monotonic()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self.kv.cache_full_blocks(req, computed)  # loaded blocks: no need to save them back
-            self._add_chunk(out, req, computed, n)
-            budget -= n
+        self._count_admission(req, hit.num_tokens, computed)
+        self.kv.cache_full_blocks(req, computed)  # loaded blocks: no need to save them back
+        self._start(out, req, computed, n)
+        return n
+
+    def _start(self, out: Schedule, req: Request, start: int, n: int) -> None:
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._add_chunk(out, req, start, n)
+
+    def _count_admission(self, req: Request, hit_tokens: int, computed: int) -> None:
+        if req.num_cached_tokens < 0:  # first admission: count the prefix cache query
+            req.num_cached_tokens = computed
+            self.stats.prefix_queries += req.num_prompt_tokens
+            self.stats.prefix_hits += hit_tokens
+            self.stats.external_hits += computed - hit_tokens
+            req.metrics.first_scheduled_time = time.monotonic()
 
     def _add_chunk(self, out: Schedule, req: Request, start: int, n: int) -> None:
         out.chunks.append(ScheduledChunk(req, start, n))
         out.new_blocks.extend(self.kv.cache_full_blocks(req, start + n))
 
-    def _external_blocks(self, req: Request, start: int) -> int:
-        max_blocks = (req.num_tokens - 1) // self.kv.block_size
-        if start >= max_blocks:
-            return 0
-        n = self.connector.num_loadable_blocks(req.block_hashes[:max_blocks], start)
-        return max(0, min(n, max_blocks - start))
+    def _external_tokens(self, req: Request, hit_tokens: int) -> tuple[int | None, bool]:
+        """(tokens the connector provides after ``hit_tokens`` (None: it cannot tell yet),
+        whether it loads them in the background)."""
+        bs = self.kv.block_size
+        max_blocks = (req.num_tokens - 1) // bs
+        if req.request_id in self._no_external or hit_tokens // bs >= max_blocks:
+            return 0, False
+        try:
+            n, load_async = self.connector.get_num_new_matched_tokens(req, hit_tokens)
+        except Exception:
+            logger.exception("KV connector lookup failed for %s; computing locally",
+                             req.request_id)  # fmt: skip
+            return 0, False
+        if n is None:
+            return None, load_async
+        return max(0, min(n // bs, max_blocks - hit_tokens // bs)) * bs, load_async
+
+    def _refs(self, req: Request, start: int, n: int) -> list[BlockRef]:
+        bs = self.kv.block_size
+        ids, hashes, toks = req.block_ids, req.block_hashes, req.token_ids
+        return [BlockRef(ids[i], hashes[i], tuple(toks[i * bs : (i + 1) * bs]))
+                for i in range(start, start + n)]  # fmt: skip
 
     def _load_external(self, req: Request, start: int, n: int) -> int:
-        """Let the connector fill blocks [start, start + n); returns the tokens it loaded."""
-        bs = self.kv.block_size
-        refs = [
-            BlockRef(0, req.block_hashes[i], tuple(req.token_ids[i * bs : (i + 1) * bs]))
-            for i in range(start, start + n)
-        ]
+        """Let the connector fill blocks [start, start + n) now; returns the tokens it loaded."""
         try:
+            refs = self._refs(req, start, n)
             loaded = self.connector.load(refs, req.block_ids[start : start + n])
         except Exception:
             logger.exception("KV connector load failed for %s; computing locally", req.request_id)
             loaded = 0
-        return max(0, min(loaded, n)) * bs
+        return max(0, min(loaded, n)) * self.kv.block_size
+
+    # -- asynchronous loads -------------------------------------------------------------------
+
+    def _start_load(self, req: Request, hit_tokens: int, n: int) -> None:
+        start = hit_tokens // self.kv.block_size
+        req.num_computed_tokens = hit_tokens
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        deadline = time.monotonic() + self.config.kv_load_timeout_s
+        self.loading[req.request_id] = _Load(req, hit_tokens, n, deadline)
+        self.stats.loads_started += 1
+        refs = self._refs(req, start, n)
+        try:
+            self.connector.update_state_after_alloc(req, refs, req.block_ids[start : start + n])
+        except Exception:
+            logger.exception("KV connector could not start a load for %s; computing locally",
+                             req.request_id)  # fmt: skip
+            self._abandon(req, recompute=True, started=False)
+
+    def _collect_loads(self) -> None:
+        """Loads that reported back go to the front of the queue, ready to run; loads past
+        their deadline are abandoned and their requests recomputed."""
+        if not (self.loading or self._orphans):
+            return
+        back: list[Request] = []
+        for rid, n in self.connector.get_finished().items():
+            blocks = self._orphans.pop(rid, None)
+            if blocks is not None:
+                self.kv.release(blocks)  # the abandoned load has stopped writing into them
+                continue
+            load = self.loading.pop(rid, None)
+            if load is not None:
+                back.append(self._loaded(load, n))
+        now = time.monotonic()
+        for load in [ld for ld in self.loading.values() if now >= ld.deadline]:
+            logger.warning("KV load for %s missed its %.1fs deadline; computing locally",
+                           load.req.request_id, self.config.kv_load_timeout_s)  # fmt: skip
+            self.stats.load_timeouts += 1
+            back.append(self._abandon(load.req, recompute=False))
+        back.sort(key=lambda r: r.metrics.arrival_time)
+        self.waiting.extendleft(reversed(back))
+
+    def _loaded(self, load: _Load, n: int) -> Request:
+        req = load.req
+        n = max(0, min(n, load.num_blocks))
+        if n < load.num_blocks:
+            self.stats.loads_partial += 1
+        computed = load.hit_tokens + n * self.kv.block_size
+        req.num_computed_tokens = computed
+        self.kv.cache_full_blocks(req, computed)  # the loaded ones only; the rest is computed
+        self._count_admission(req, load.hit_tokens, computed)
+        req.status = RequestStatus.WAITING
+        self._ready.add(req.request_id)
+        return req
+
+    def _abandon(self, req: Request, recompute: bool, started: bool = True) -> Request:
+        """Give up ``req``'s load: its blocks wait for the load to stop (``started``); it
+        computes everything itself (``recompute``: put it back in the queue here)."""
+        rid = req.request_id
+        self.loading.pop(rid, None)
+        if started:
+            self.connector.request_finished(rid)
+            self._orphans[rid] = self.kv.detach(req)
+        else:
+            self.kv.free(req)
+        self._no_external.add(rid)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        if recompute:
+            self.waiting.appendleft(req)
+        return req
 
     def finish(self, req: Request) -> None:
         """Remove a finished (or aborted) request and free its blocks."""
+        rid = req.request_id
+        self._ready.discard(rid)
+        if rid in self.loading:  # its load may still write into its blocks
+            self._abandon(req, recompute=False)
+            self._no_external.discard(rid)
+            return
+        self._no_external.discard(rid)
+        self.connector.request_finished(rid)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:

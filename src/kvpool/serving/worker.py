@@ -91,7 +91,7 @@ def _connector(args: argparse.Namespace, token: str | None, parts: list):
     if not args.store:
         return None
     from kvpool.config import TransferConfig
-    from kvpool.serving.store_connector import StoreConnector
+    from kvpool.engine.connectors.store import StoreConnector
     from kvpool.store.client import StoreClient
 
     directory = args.directory or (

@@ -1,22 +1,25 @@
-"""The engine's KV connector backed by the pool (``kvpool.store``).
+"""The engine's KV connector backed by the pool (``kvpool.store``), in both roles.
 
-One pool object per KV block, under ``kv/<chain hash hex>``. Its bytes are a header (magic,
-format version, the block's token ids, the payload length) followed by the block's slice of the
-engine's KV tensor (block-major, DESIGN.md §3, so one block is one contiguous range). Loads
-and saves move the payload straight between the KV tensor and the pool's segments (the
-header travels as a second part of the same object): no staging copy. Loaded token ids are
-compared with the request's: a mismatch ends the loaded prefix there.
+One pool object per KV block (``protocol/kv_object.py``: key ``kv/<chain hash hex>``, a header
+with the block's token ids, then the block's slice of the KV tensor). Loads and saves move the
+payload straight between the KV tensor and the pool's segments (the header travels as a second
+part of the same object): no staging copy. Loaded token ids are compared with the request's:
+a mismatch ends the loaded prefix there.
 
-Saves run on a background thread while the engine computes the next chunk; the engine keeps
-each block referenced until its save is reported done. If the pool cannot be reached the
-connector stops using it for ``retry_after_s`` and the engine computes everything locally.
+Asynchronous by default (``async_load``): the scheduler side answers from a local view of the
+pool fed by background lookups (no RPC on the engine step) and loads run on a background
+thread while the engine steps other requests (``prefetch.py``). ``async_load=False`` keeps the
+synchronous path: a lookup RPC and the load itself inside the step (the baseline of
+``benchmarks/bench_overlap.py``). Saves always run on a background thread while the engine
+computes the next chunk; the engine keeps each block referenced until its save is reported
+done. If the pool cannot be reached the connector stops using it for ``retry_after_s`` and the
+engine computes everything locally.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -24,21 +27,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvpool.common.errors import AlreadyExistsError, KVPoolError, NotFoundError
+from kvpool.common.errors import AlreadyExistsError, KVPoolError
 from kvpool.common.hashing import leading_true
-from kvpool.engine.connector import BlockRef, KVConnector
+from kvpool.engine.connectors.base import BlockRef, KVConnector
+from kvpool.engine.connectors.prefetch import PoolView, Prefetcher
+from kvpool.engine.request import Request
+from kvpool.protocol.kv_object import block_key, header_size, header_tokens, pack_header
 
 logger = logging.getLogger(__name__)
-
-MAGIC = b"KVPB"
-FORMAT_VERSION = 1
-_HEAD = struct.Struct("<4sHHQ")  # magic, version, number of tokens, payload bytes
-KEY_PREFIX = "kv/"
-
-
-def block_key(block_hash: bytes) -> str:
-    """The pool key of a block (the chain hash already includes the namespace)."""
-    return KEY_PREFIX + block_hash.hex()
 
 
 @dataclass(slots=True)
@@ -61,10 +57,15 @@ class ConnectorStats:
 class StoreConnector(KVConnector):
     """Loads prefix blocks from the pool and publishes full blocks to it."""
 
-    def __init__(self, client, retry_after_s: float = 5.0, save: bool = True) -> None:
+    def __init__(self, client, retry_after_s: float = 5.0, save: bool = True, *,
+                 async_load: bool = True, max_loads: int = 8) -> None:  # fmt: skip
         self.client = client  # a kvpool.store.StoreClient (thread-safe)
         self.retry_after_s = retry_after_s
         self._save_enabled = save
+        self.async_load = async_load
+        self.view = PoolView()
+        self._max_loads = max_loads
+        self._prefetch: Prefetcher | None = None
         self.stats = ConnectorStats()
         self._down_until = 0.0
         self._blocks: np.ndarray | None = None  # [num_blocks, block_bytes] uint8 view
@@ -86,7 +87,9 @@ class StoreConnector(KVConnector):
         self._blocks = flat.numpy().reshape(kv_cache.shape[0], -1)  # shares memory
         self.block_size = block_size
         self.namespace = namespace
-        self._head_len = _HEAD.size + 4 * block_size
+        self._head_len = header_size(block_size)
+        if self.async_load:
+            self._prefetch = Prefetcher(self._exists, self._load_now, self.view, self._max_loads)
         if self._save_enabled:
             self._thread = threading.Thread(target=self._save_loop, name="kvpool-kv-save",
                                             daemon=True)  # fmt: skip
@@ -107,20 +110,65 @@ class StoreConnector(KVConnector):
                            self.retry_after_s)  # fmt: skip
         self._down_until = time.monotonic() + self.retry_after_s
 
-    # -- loading -------------------------------------------------------------------------
+    # -- scheduler side (asynchronous) --------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if self._prefetch is None:
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if not self.pool_up():
+            return 0, False
+        bs = self.block_size
+        max_blocks = (request.num_tokens - 1) // bs
+        hashes = request.block_hashes[num_computed_tokens // bs : max_blocks]
+        if not hashes:
+            return 0, False
+        n = self._prefetch.matched_blocks(request.request_id, hashes)
+        if n is None:
+            return None, True
+        return n * bs, n > 0
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: list[BlockRef], block_ids: list[int]
+    ) -> None:
+        assert self._prefetch is not None, "asynchronous loads need async_load=True"
+        self._prefetch.start_load(request.request_id, blocks, block_ids)
+
+    def request_finished(self, request_id: str) -> None:
+        if self._prefetch is not None:
+            self._prefetch.request_finished(request_id)
+
+    def get_finished(self) -> dict[str, int]:
+        return self._prefetch.finished() if self._prefetch is not None else {}
+
+    def wait_for_events(self, timeout: float) -> None:
+        if self._prefetch is not None:
+            self._prefetch.wait(timeout)
+
+    def _exists(self, hashes: list[bytes]) -> list[bool]:
+        self.stats.lookups += 1
+        try:
+            return self.client.batch_exists([block_key(h) for h in hashes])
+        except KVPoolError as exc:
+            self._pool_failed("lookup", exc)
+            raise
+
+    # -- worker side ---------------------------------------------------------------------------
 
     def num_loadable_blocks(self, block_hashes: list[bytes], start: int) -> int:
         if not self.pool_up() or start >= len(block_hashes):
             return 0
-        self.stats.lookups += 1
         try:
-            present = self.client.batch_exists([block_key(h) for h in block_hashes[start:]])
-        except KVPoolError as exc:
-            self._pool_failed("lookup", exc)
+            present = self._exists(block_hashes[start:])
+        except KVPoolError:
             return 0
         return leading_true(present)
 
     def load(self, blocks: list[BlockRef], block_ids: list[int]) -> int:
+        return self._load_now(blocks, block_ids)
+
+    def _load_now(self, blocks: list[BlockRef], block_ids: list[int]) -> int:
         assert self._blocks is not None
         if not blocks or not self.pool_up():
             return 0
@@ -147,18 +195,10 @@ class StoreConnector(KVConnector):
         return n
 
     def _header(self, ref: BlockRef) -> bytes:
-        toks = np.asarray(ref.token_ids, dtype="<i4")
-        pad = np.zeros(self.block_size - len(toks), dtype="<i4")
-        head = _HEAD.pack(MAGIC, FORMAT_VERSION, len(toks), self.block_bytes)
-        return head + toks.tobytes() + pad.tobytes()
+        return pack_header(ref.token_ids, self.block_size, self.block_bytes)
 
     def _tokens(self, head: bytearray) -> tuple[int, ...] | None:
-        magic, version, n, payload = _HEAD.unpack_from(head, 0)
-        if magic != MAGIC or version != FORMAT_VERSION or payload != self.block_bytes:
-            return None
-        if n > self.block_size:
-            return None
-        return tuple(np.frombuffer(head, dtype="<i4", count=n, offset=_HEAD.size).tolist())
+        return header_tokens(head, self.block_size, self.block_bytes)
 
     # -- saving --------------------------------------------------------------------------
 
@@ -219,10 +259,12 @@ class StoreConnector(KVConnector):
             except KVPoolError as exc:
                 self._pool_failed("save", exc)
                 results = [exc] * len(refs)
-            ok = sum(1 for r in results if r is None or isinstance(r, AlreadyExistsError))
-            self.stats.saved_blocks += ok
-            self.stats.saved_bytes += ok * self.block_bytes
-            self.stats.dropped_saves += len(refs) - ok
+            stored = [r.block_hash for r, x in zip(refs, results, strict=True)
+                      if x is None or isinstance(x, AlreadyExistsError)]  # fmt: skip
+            self.view.mark(stored, True)
+            self.stats.saved_blocks += len(stored)
+            self.stats.saved_bytes += len(stored) * self.block_bytes
+            self.stats.dropped_saves += len(refs) - len(stored)
         else:
             self.stats.dropped_saves += len(refs)
         self.stats.save_seconds += time.perf_counter() - t0
@@ -243,6 +285,8 @@ class StoreConnector(KVConnector):
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(30)
+        if self._prefetch is not None:
+            self._prefetch.close()
 
 
-__all__ = ["ConnectorStats", "NotFoundError", "StoreConnector", "block_key"]
+__all__ = ["ConnectorStats", "StoreConnector", "block_key"]

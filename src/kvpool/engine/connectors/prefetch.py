@@ -1,0 +1,211 @@
+"""Keeps pool I/O off the engine step: a local view of what the pool holds, background
+lookups that feed it, and a bounded queue of background loads that report when they end.
+
+The view is fed by events: the answers of background lookups, this engine's own finished
+saves (present), and loads (what loaded is present; the first block that did not is absent).
+Entries expire (the pool evicts; another engine saves), so a stale "present" costs at most one
+load that comes back short, and the rest of that prefix is recomputed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvpool.engine.connectors.base import BlockRef
+
+logger = logging.getLogger(__name__)
+
+MAX_VIEW_ENTRIES = 1 << 20
+BACKGROUND_NICE = 10
+
+
+def _yield_cpu() -> None:
+    """Lower this thread's CPU priority (Linux: per thread): when the cores are busy, the
+    engine's compute goes first and the I/O takes what is left (the point of loading in the
+    background is that decode never waits for it)."""
+    # not Linux, or not allowed: it runs at normal priority
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+
+
+class PoolView:
+    """block hash -> (in the pool?, until when that is believed)."""
+
+    def __init__(self, present_ttl: float = 2.0, absent_ttl: float = 0.5) -> None:
+        self.present_ttl = present_ttl
+        self.absent_ttl = absent_ttl
+        self._entries: dict[bytes, tuple[bool, float]] = {}
+        self._lock = threading.Lock()
+
+    def mark(self, hashes: list[bytes], present: list[bool] | bool) -> None:
+        now = time.monotonic()
+        flags = [present] * len(hashes) if isinstance(present, bool) else present
+        with self._lock:
+            if len(self._entries) + len(hashes) > MAX_VIEW_ENTRIES:
+                self._prune(now)
+            for h, p in zip(hashes, flags, strict=True):
+                self._entries[h] = (p, now + (self.present_ttl if p else self.absent_ttl))
+
+    def leading(self, hashes: list[bytes]) -> tuple[int, bool]:
+        """(how many leading hashes are believed present, whether the answer is final: False
+        when the run ends at a hash the view knows nothing (fresh) about)."""
+        now = time.monotonic()
+        n = 0
+        with self._lock:
+            for h in hashes:
+                entry = self._entries.get(h)
+                if entry is None or entry[1] <= now:
+                    return n, False
+                if not entry[0]:
+                    return n, True
+                n += 1
+        return n, True
+
+    def _prune(self, now: float) -> None:
+        self._entries = {h: e for h, e in self._entries.items() if e[1] > now}
+        while len(self._entries) > MAX_VIEW_ENTRIES // 2:  # still full of fresh entries
+            self._entries.pop(next(iter(self._entries)))
+
+
+@dataclass(slots=True)
+class _Job:
+    request_id: str
+    blocks: list[BlockRef]
+    block_ids: list[int]
+    cancelled: bool = False
+    queued: float = field(default_factory=time.monotonic)
+
+
+class Prefetcher:
+    """Background lookups and loads for the scheduler side of a connector.
+
+    ``exists(hashes) -> [bool]`` asks the pool; ``load(blocks, block_ids) -> int`` fills
+    blocks and returns how many leading ones loaded (both run on this object's threads and
+    report failures by raising or returning short). ``max_loads``: loads queued or running at
+    once (more: the scheduler is told to ask again later).
+    """
+
+    def __init__(self, exists: Callable[[list[bytes]], list[bool]],
+                 load: Callable[[list[BlockRef], list[int]], int], view: PoolView,
+                 max_loads: int = 8, lookup_wait: float = 0.5) -> None:  # fmt: skip
+        self._exists = exists
+        self._load = load
+        self.view = view
+        self.max_loads = max_loads
+        self.lookup_wait = lookup_wait  # past this, a request goes on with what is known
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+        self._asked: dict[str, float] = {}  # request id -> when its lookup was queued
+        self._jobs: dict[str, _Job] = {}  # queued or running loads
+        self._finished: dict[str, int] = {}
+        self._lookups: queue.SimpleQueue = queue.SimpleQueue()
+        self._loads: queue.SimpleQueue = queue.SimpleQueue()
+        self.lookups = self.loads = self.cancelled = 0
+        self.load_seconds = 0.0  # time loads ran (wall), for the hidden-share figures
+        self._threads = [
+            threading.Thread(target=self._lookup_loop, name="kvpool-kv-lookup", daemon=True),
+            threading.Thread(target=self._load_loop, name="kvpool-kv-load", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # -- scheduler side -----------------------------------------------------------------------
+
+    def matched_blocks(self, request_id: str, hashes: list[bytes]) -> int | None:
+        """Leading blocks of ``hashes`` worth loading now; None: ask again later (a lookup
+        is in flight, or the load queue is full)."""
+        n, final = self.view.leading(hashes)
+        if not final:
+            asked = self._asked.get(request_id)
+            now = time.monotonic()
+            if asked is None:
+                self._asked[request_id] = now
+                self._lookups.put((request_id, hashes[n:]))
+                return None
+            if now - asked < self.lookup_wait:
+                return None
+        if n and len(self._jobs) >= self.max_loads:
+            return None
+        return n
+
+    def start_load(self, request_id: str, blocks: list[BlockRef], block_ids: list[int]) -> None:
+        job = _Job(request_id, blocks, block_ids)
+        with self._lock:
+            self._jobs[request_id] = job
+        self._asked.pop(request_id, None)
+        self._loads.put(job)
+
+    def request_finished(self, request_id: str) -> None:
+        self._asked.pop(request_id, None)
+        with self._lock:
+            job = self._jobs.get(request_id)
+            if job is not None:
+                job.cancelled = True  # reported (0 blocks) when its turn comes, if not running
+
+    def finished(self) -> dict[str, int]:
+        with self._lock:
+            out, self._finished = self._finished, {}
+        return out
+
+    def wait(self, timeout: float) -> None:
+        self._event.wait(timeout)
+        self._event.clear()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._jobs)
+
+    # -- threads ------------------------------------------------------------------------------
+
+    def _lookup_loop(self) -> None:
+        _yield_cpu()
+        while True:
+            item = self._lookups.get()
+            if item is None:
+                return
+            _, hashes = item
+            self.lookups += 1
+            try:
+                present = self._exists(hashes)
+            except Exception:  # the connector logged it and marked the pool down
+                present = [False] * len(hashes)
+            self.view.mark(hashes, present)
+            self._event.set()
+
+    def _load_loop(self) -> None:
+        _yield_cpu()
+        while True:
+            job = self._loads.get()
+            if job is None:
+                return
+            n = 0
+            if job.cancelled:
+                self.cancelled += 1
+            else:
+                t0 = time.perf_counter()
+                try:
+                    n = self._load(job.blocks, job.block_ids)
+                except Exception:
+                    logger.exception("KV load for %s failed; it is recomputed", job.request_id)
+                self.load_seconds += time.perf_counter() - t0
+                self.loads += 1
+                hashes = [b.block_hash for b in job.blocks]
+                self.view.mark(hashes[:n], True)
+                self.view.mark(hashes[n : n + 1], False)
+            with self._lock:
+                self._jobs.pop(job.request_id, None)
+                self._finished[job.request_id] = n
+            self._event.set()
+
+    def close(self) -> None:
+        self._lookups.put(None)
+        self._loads.put(None)
+        for t in self._threads:
+            t.join(30)

@@ -1,0 +1,1 @@
+"""Typed formats of what crosses a process boundary (see DESIGN.md §2)."""

@@ -1,0 +1,188 @@
+"""Asynchronous prefix loads: a request waits for its KV in its own state while others step;
+failed, short, late or abandoned loads cost recompute only, never a wrong token or a leak.
+
+The seam here is a dict-backed connector whose loads run on a thread behind a gate the test
+opens; tests/serving/test_store_connector.py runs the same path on the real pool."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from test_connector import DictConnector, generate_one
+
+from kvpool import SamplingParams
+from kvpool.engine.request import RequestStatus
+
+
+class GatedConnector(DictConnector):
+    """Loads in the background, each after ``gate`` opens; ``fail_after``: blocks past it come
+    back missing; ``max_loads``: loads in flight at once (more: "ask again later")."""
+
+    def __init__(self, store, fail_after=None, max_loads=8):
+        super().__init__(store)
+        self.gate = threading.Event()
+        self.fail_after = fail_after
+        self.max_loads = max_loads
+        self.inflight = 0
+        self.peak = 0
+        self.finished: dict[str, int] = {}
+        self.cancelled: list[str] = []
+        self.started: list[str] = []
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        n, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if n and self.inflight >= self.max_loads:
+            return None, True
+        return n, n > 0
+
+    def update_state_after_alloc(self, request, blocks, block_ids):
+        rid = request.request_id
+        self.started.append(rid)
+        with self._lock:
+            self.inflight += 1
+            self.peak = max(self.peak, self.inflight)
+
+        def work():
+            self.gate.wait(30)
+            keep = blocks if self.fail_after is None else blocks[: self.fail_after]
+            n = self.load(keep, block_ids[: len(keep)])
+            with self._lock:
+                self.finished[rid] = n
+                self.inflight -= 1
+
+        t = threading.Thread(target=work)
+        t.start()
+        self._threads.append(t)
+
+    def request_finished(self, request_id):
+        self.cancelled.append(request_id)
+
+    def get_finished(self):
+        with self._lock:
+            out, self.finished = self.finished, {}
+        return out
+
+
+def prompt_of(seed, n):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+SP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture
+def warm_store(tiny_engine_factory):
+    """A store holding the blocks of one 41-token prompt, and its cold output."""
+    conn = DictConnector()
+    eng = tiny_engine_factory(connector=conn)
+    prompt = prompt_of(11, 41)
+    cold = generate_one(eng, prompt, SP).outputs[0].token_ids
+    eng.close()
+    return conn.store, prompt, cold
+
+
+def settled_usage(eng):
+    """Pool usage once every save has been given back."""
+    eng.connector.close()
+    eng._release_saved()
+    return eng.pool.usage()
+
+
+def step_until(eng, cond, limit=10.0):
+    """Step until ``cond()`` (at most ``limit`` seconds); the last output of each request."""
+    outs = {}
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if cond():
+            return outs
+        for o in eng.step():
+            outs[o.request_id] = o
+    raise AssertionError("condition not reached")
+
+
+def test_other_requests_decode_while_a_prefix_loads(warm_store, tiny_engine_factory):
+    store, prompt, cold = warm_store
+    conn = GatedConnector(store)
+    eng = tiny_engine_factory(connector=conn)
+    eng.add_request("other", prompt_of(12, 9), SamplingParams(temperature=0, max_tokens=20,
+                                                              ignore_eos=True))  # fmt: skip
+    eng.add_request("loads", prompt, SP)
+    step_until(eng, lambda: conn.started)
+    req = eng.requests["loads"]
+    assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    other = eng.requests["other"]
+    before = len(other.output_token_ids)
+    for _ in range(5):
+        eng.step()  # the gate is shut: only "other" can advance
+    assert len(other.output_token_ids) == before + 5
+    assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS and not req.output_token_ids
+    conn.gate.set()
+    outs = step_until(eng, lambda: not eng.has_unfinished_requests())
+    assert outs["loads"].outputs[0].token_ids == cold
+    assert outs["loads"].num_cached_tokens == 40  # 10 blocks of 4 loaded, last token computed
+    assert eng.scheduler.stats.loads_started == 1 and conn.loaded == 10
+    assert settled_usage(eng) == 0
+
+
+def test_short_load_recomputes_the_rest(warm_store, tiny_engine_factory):
+    store, prompt, cold = warm_store
+    conn = GatedConnector(store, fail_after=3)
+    conn.gate.set()
+    eng = tiny_engine_factory(connector=conn)
+    out = generate_one(eng, prompt, SP)
+    assert out.outputs[0].token_ids == cold
+    assert out.num_cached_tokens == 12  # the 3 blocks that loaded
+    assert eng.scheduler.stats.loads_partial == 1
+
+
+def test_late_load_is_abandoned_and_recomputed(warm_store, tiny_engine_factory):
+    store, prompt, cold = warm_store
+    conn = GatedConnector(store)
+    eng = tiny_engine_factory(connector=conn, kv_load_timeout_s=0.2)
+    out = generate_one(eng, prompt, SP)  # the gate never opens in time
+    assert out.outputs[0].token_ids == cold
+    assert out.num_cached_tokens == 0
+    assert eng.scheduler.stats.load_timeouts == 1 and conn.cancelled[0] == "r"
+    held = eng.pool.usage()
+    assert held > 0  # the late load's blocks are set aside: it may still write into them
+    conn.gate.set()
+    step_until(eng, lambda: not eng.has_work())
+    assert settled_usage(eng) == 0
+
+
+def test_abort_while_loading_frees_blocks_once_the_load_stops(warm_store, tiny_engine_factory):
+    store, prompt, _ = warm_store
+    conn = GatedConnector(store)
+    eng = tiny_engine_factory(connector=conn)
+    eng.add_request("r", prompt, SP)
+    step_until(eng, lambda: conn.started)
+    eng.abort_request("r")
+    assert not eng.has_unfinished_requests() and eng.has_work()
+    assert eng.pool.usage() > 0
+    conn.gate.set()
+    step_until(eng, lambda: not eng.has_work())
+    assert settled_usage(eng) == 0 and conn.cancelled == ["r"]
+
+
+def test_loads_in_flight_are_bounded(tiny_engine_factory):
+    seed = DictConnector()
+    warm = tiny_engine_factory(connector=seed)
+    prompts = [prompt_of(20 + i, 21) for i in range(3)]
+    colds = [generate_one(warm, p, SP).outputs[0].token_ids for p in prompts]
+    warm.close()
+    conn = GatedConnector(seed.store, max_loads=1)
+    eng = tiny_engine_factory(connector=conn)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SP)
+    step_until(eng, lambda: conn.started)
+    for _ in range(5):
+        eng.step()
+    assert conn.started == ["r0"]  # the others wait for room, in the queue
+    conn.gate.set()
+    outs = step_until(eng, lambda: not eng.has_unfinished_requests())
+    assert [outs[f"r{i}"].outputs[0].token_ids for i in range(3)] == colds
+    assert sorted(conn.started) == ["r0", "r1", "r2"] and conn.peak == 1
+    assert settled_usage(eng) == 0
