@@ -7,9 +7,9 @@ import sys
 
 from kvpool import __version__
 from kvpool.bench import cli as bench_cli
-from kvpool.conductor import cli as conductor_cli
-from kvpool.serving import cli_serve
-from kvpool.serving import worker as worker_cli
+from kvpool.entrypoints import conductor as conductor_cli
+from kvpool.entrypoints import serve as cli_serve
+from kvpool.entrypoints import worker as worker_cli
 from kvpool.store import cli as store_cli
 from kvpool.transfer import cli as transfer_cli
 

@@ -80,6 +80,7 @@ class EngineConfig:
 
 
 TRANSPORT_CHOICES = ("auto", "shm", "tcp")
+MAX_FRAME_BYTES = 64 << 20  # a transfer frame never carries more; larger requests are sliced
 
 
 @dataclass(slots=True)
@@ -106,7 +107,6 @@ class TransferConfig:
     def __post_init__(self) -> None:
         from kvpool.common.auth import cluster_token
         from kvpool.common.net import is_loopback
-        from kvpool.transfer.protocol import MAX_FRAME_BYTES
 
         if self.transport not in TRANSPORT_CHOICES:
             raise ValueError(f"transport must be one of {TRANSPORT_CHOICES}")

@@ -24,9 +24,9 @@ from kvpool.conductor.cluster_state import (
     WorkerLoad,
     WorkerView,
 )
+from kvpool.protocol.cluster import WORKERS_PREFIX
 
 logger = logging.getLogger(__name__)
-WORKERS_PREFIX = b"/kvpool/workers/"
 
 
 @dataclass(slots=True)

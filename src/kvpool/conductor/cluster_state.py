@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ROLES = ("prefill", "decode", "both")
-
 
 @dataclass(slots=True, frozen=True)
 class CostModel:

@@ -24,9 +24,10 @@ import struct
 import time
 from enum import IntEnum
 
+from kvpool.config import MAX_FRAME_BYTES
+
 MAGIC = b"KVTE"
 VERSION = 2
-MAX_FRAME_BYTES = 64 << 20  # one frame never carries more; the client slices larger requests
 HANDSHAKE_TIMEOUT = 5.0
 
 HELLO = struct.Struct("<4sHH16s")  # magic, version, reserved, client nonce

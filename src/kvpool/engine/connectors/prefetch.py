@@ -23,7 +23,7 @@ from kvpool.engine.connectors.base import BlockRef
 logger = logging.getLogger(__name__)
 
 MAX_VIEW_ENTRIES = 1 << 20
-BACKGROUND_NICE = 10
+BACKGROUND_NICE = 5
 
 
 def _yield_cpu() -> None:

@@ -1,4 +1,4 @@
-"""Where bytes go and what leaves when space runs out (functions over a ``MasterState``).
+"""Where bytes go and what leaves when space runs out (functions over a ``StateView``).
 
 Placement: one replica per distinct node, on nodes that are not suspect first (silent, or
 reported unreachable), then the preferred nodes or segments, then most free space; eviction when nothing fits. Eviction: from the high watermark down to the low
@@ -15,18 +15,16 @@ from kvpool.store.master import tiering
 from kvpool.store.master.objects import ObjectMeta, ObjectState, Replica, Tier
 
 if TYPE_CHECKING:
-    from kvpool.store.master.state import MasterState
+    from kvpool.store.master.view import StateView
 
 
-def usage(state: MasterState, tier: Tier = Tier.DRAM) -> tuple[int, int]:
+def usage(state: StateView, tier: Tier = Tier.DRAM) -> tuple[int, int]:
     """(used, capacity) bytes of a tier over every mounted segment."""
     segs = [s for s in state.segments.values() if s.tier is tier]
     return sum(s.allocator.used for s in segs), sum(s.allocator.capacity for s in segs)
 
 
-def place(
-    state: MasterState, size: int, want: int, preferred: tuple[str, ...] = ()
-) -> list[Replica]:
+def place(state: StateView, size: int, want: int, preferred: tuple[str, ...] = ()) -> list[Replica]:
     """``want`` allocations of ``size`` bytes on distinct nodes (fewer if there are fewer
     nodes); evicts when none fits; NoSpaceError when not even one does."""
     placed: list[Replica] = []
@@ -50,7 +48,7 @@ def place(
     return placed
 
 
-def allocate(state: MasterState, size: int, skip_nodes: set[str],
+def allocate(state: StateView, size: int, skip_nodes: set[str],
              preferred: tuple[str, ...] = ()) -> Replica | None:  # fmt: skip
     segs = [
         s for s in state.segments.values()
@@ -68,7 +66,7 @@ def allocate(state: MasterState, size: int, skip_nodes: set[str],
     return None
 
 
-def evict(state: MasterState, tier: Tier, need: int = 0,
+def evict(state: StateView, tier: Tier, need: int = 0,
           exclude_nodes: set[str] | None = None) -> list[str]:  # fmt: skip
     """Evict coldest objects of ``tier`` until ``need`` more bytes are free and usage is at or
     below the low watermark; the evicted keys (in eviction order)."""
@@ -95,7 +93,7 @@ def evict(state: MasterState, tier: Tier, need: int = 0,
     return evicted
 
 
-def evict_to_watermark(state: MasterState) -> None:
+def evict_to_watermark(state: StateView) -> None:
     used, cap = usage(state, Tier.DRAM)
     if cap and used > cap * state.config.high_watermark:
         evict(state, Tier.DRAM)

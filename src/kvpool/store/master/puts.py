@@ -1,4 +1,4 @@
-"""The two-phase put (functions over a ``MasterState``): start, end, revoke, expire; upserts.
+"""The two-phase put (functions over a ``StateView``): start, end, revoke, expire; upserts.
 
 ``start`` allocates replicas and records the object PROCESSING under a random put id that only
 the putting client learns; ``end`` with that id and the value's checksum makes it COMPLETE;
@@ -25,12 +25,12 @@ from kvpool.store.master import placement
 from kvpool.store.master.objects import ObjectMeta, ObjectState, PutOptions
 
 if TYPE_CHECKING:
-    from kvpool.store.master.state import MasterState
+    from kvpool.store.master.view import StateView
 
 MAX_KEY_BYTES = 4096
 
 
-def start(state: MasterState, key: str, size: int, replicas: int | None, owner: str,
+def start(state: StateView, key: str, size: int, replicas: int | None, owner: str,
           opts: PutOptions) -> ObjectMeta:  # fmt: skip
     """Allocate ``replicas`` copies on distinct nodes for client ``owner``."""
     _check_key(key)
@@ -71,7 +71,7 @@ def start(state: MasterState, key: str, size: int, replicas: int | None, owner: 
     return meta
 
 
-def end(state: MasterState, key: str, put_id: int, checksum: int) -> ObjectMeta:
+def end(state: StateView, key: str, put_id: int, checksum: int) -> ObjectMeta:
     """The put ``put_id`` of ``key`` is COMPLETE (with the value's 64-bit ``checksum``)."""
     meta = in_progress(state, key, put_id)
     if not _is_int(checksum) or not 0 <= checksum < 1 << 64:
@@ -90,12 +90,12 @@ def end(state: MasterState, key: str, put_id: int, checksum: int) -> ObjectMeta:
     return meta
 
 
-def revoke(state: MasterState, meta: ObjectMeta) -> None:
+def revoke(state: StateView, meta: ObjectMeta) -> None:
     state.delete(meta)
     state.counters["revokes"] += 1
 
 
-def expire(state: MasterState, now: float) -> list[str]:
+def expire(state: StateView, now: float) -> list[str]:
     """Revoke the puts past their deadline; their keys."""
     late = [m for m in (*state.objects.values(), *state.upserts.values())
             if m.state is ObjectState.PROCESSING and m.put_deadline < now]  # fmt: skip
@@ -104,7 +104,7 @@ def expire(state: MasterState, now: float) -> list[str]:
     return [m.key for m in late]
 
 
-def in_progress(state: MasterState, key: str, put_id: int) -> ObjectMeta:
+def in_progress(state: StateView, key: str, put_id: int) -> ObjectMeta:
     """The unfinished put ``put_id`` of ``key`` (a plain put or an upsert)."""
     for meta in (state.objects.get(key), state.upserts.get(key)):
         if meta is not None and meta.state is ObjectState.PROCESSING and meta.put_id == put_id:

@@ -43,16 +43,7 @@ from kvpool.config import MasterConfig
 from kvpool.store.master import placement, puts, tiering
 from kvpool.store.master.allocator import OffsetAllocator
 from kvpool.store.master.objects import ObjectMeta, ObjectState, PutOptions, Replica, Tier
-
-
-@dataclass(slots=True)
-class MountedSegment:
-    node_id: str
-    name: str
-    tier: Tier
-    allocator: OffsetAllocator
-    ready: bool = True  # False while its node still reports what it holds: no allocations
-    owner: str = ""  # the incarnation of the node that mounted it (its transfer engine's id)
+from kvpool.store.master.view import MountedSegment
 
 
 @dataclass(slots=True)

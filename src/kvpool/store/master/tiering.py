@@ -16,17 +16,17 @@ from typing import TYPE_CHECKING
 from kvpool.store.master.objects import ObjectMeta, ObjectState, Replica, Tier
 
 if TYPE_CHECKING:
-    from kvpool.store.master.state import MasterState, MountedSegment
+    from kvpool.store.master.view import MountedSegment, StateView
 
 
-def segment_of(state: MasterState, node_id: str, tier: Tier) -> MountedSegment | None:
+def segment_of(state: StateView, node_id: str, tier: Tier) -> MountedSegment | None:
     for seg in state.segments.values():
         if seg.node_id == node_id and seg.tier is tier and seg.ready:
             return seg
     return None
 
 
-def offload(state: MasterState, meta: ObjectMeta, now: float) -> bool:
+def offload(state: StateView, meta: ObjectMeta, now: float) -> bool:
     """Move ``meta``'s DRAM replicas to SSD on their nodes; False if it had to be dropped."""
     kept = [r for r in meta.replicas if r.tier is not Tier.DRAM]
     for src in meta.replicas_on(Tier.DRAM):
@@ -49,7 +49,7 @@ def offload(state: MasterState, meta: ObjectMeta, now: float) -> bool:
     return bool(kept)
 
 
-def promote(state: MasterState, meta: ObjectMeta, now: float) -> None:
+def promote(state: StateView, meta: ObjectMeta, now: float) -> None:
     """Bring an SSD-only object back to DRAM (same node) if nothing stands in the way."""
     if state.mover is None or meta.replicas_on(Tier.DRAM) or meta.cooldown_until > now:
         return
@@ -72,7 +72,7 @@ def promote(state: MasterState, meta: ObjectMeta, now: float) -> None:
         return
 
 
-def _ssd_space(state: MasterState, node_id: str, size: int, exclude: str) -> Replica | None:
+def _ssd_space(state: StateView, node_id: str, size: int, exclude: str) -> Replica | None:
     """An SSD range on ``node_id``, dropping that node's coldest SSD objects if needed."""
     ssd = segment_of(state, node_id, Tier.SSD)
     if ssd is None or size > ssd.allocator.capacity:

@@ -9,7 +9,7 @@ import sys
 
 from kvpool.common import auth
 from kvpool.conductor.policies import POLICIES
-from kvpool.serving import cli_serve
+from kvpool.entrypoints import common
 
 
 def add_conductor_args(p: argparse.ArgumentParser) -> None:
@@ -39,7 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="model whose tokenizer to load (default SmolLM2)")
     p.add_argument("--served-model-name", default=None)
     add_conductor_args(p)
-    cli_serve.add_http_args(p)
+    common.add_http_args(p)
     p.add_argument("--log-level", default="info")
     auth.add_token_args(p)
     p.set_defaults(func=run)
@@ -64,7 +64,7 @@ def build(args: argparse.Namespace, workers: list[str], token: str | None):
     cluster = ClusterState(workers, etcd=getattr(args, "etcd", None), store=store,
                            token=token or "").start()  # fmt: skip
     tok = load_tokenizer(args.model)
-    return Conductor(cluster, router, tok, cli_serve.served_name(args), token=token)
+    return Conductor(cluster, router, tok, common.served_name(args), token=token)
 
 
 async def serve_conductor(conductor, args: argparse.Namespace, on_ready=None) -> None:
@@ -73,7 +73,7 @@ async def serve_conductor(conductor, args: argparse.Namespace, on_ready=None) ->
     from kvpool.serving.http_limits import serve_http
 
     key = auth.api_key()
-    limits = cli_serve.http_limits(args)
+    limits = common.http_limits(args)
     app = build_conductor_app(conductor, [key] if key else [], limits)
     try:
         await serve_http(app, limits, args.log_level, on_ready, host=args.host, port=args.port)
@@ -83,22 +83,20 @@ async def serve_conductor(conductor, args: argparse.Namespace, on_ready=None) ->
 
 def run(args: argparse.Namespace) -> int:
     token = auth.cluster_token()
-    if not cli_serve.is_loopback(args.host) and token is None:
-        print(f"kvpool conductor: binding {args.host} needs ${auth.AUTH_ENV} or "
-              "--auth-token-file", file=sys.stderr)  # fmt: skip
+    if common.refuse_open_bind("conductor", args.host, token):
         return 2
     if not args.worker and not args.etcd:
         print("kvpool conductor: give --worker addresses or --etcd", file=sys.stderr)
         return 2
     try:
-        cli_serve.http_limits(args)
+        common.http_limits(args)
     except ValueError as exc:
         print(f"kvpool conductor: invalid configuration: {exc}", file=sys.stderr)
         return 2
     from kvpool.common.log import setup_logging
 
     setup_logging(args.log_level)
-    previous = signal.signal(signal.SIGTERM, cli_serve._interrupt)
+    previous = common.sigterm_as_interrupt()
     conductor = None
     try:
         conductor = build(args, args.worker, token)

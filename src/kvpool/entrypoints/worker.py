@@ -19,10 +19,8 @@ import sys
 
 from kvpool.common import auth
 from kvpool.common.errors import KVPoolError
-from kvpool.serving import cli_serve
-
-WORKERS_PREFIX = b"/kvpool/workers/"
-ROLES = ("prefill", "decode", "both")
+from kvpool.entrypoints import common
+from kvpool.protocol.cluster import ROLES, WORKERS_PREFIX
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -43,8 +41,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds a prefix load or a save may wait for the pool (an unreachable "
                         "master or node, a master fail-over) before the worker recomputes or "
                         "drops the save (default %(default)s)")  # fmt: skip
-    cli_serve.add_engine_args(p)
-    cli_serve.add_http_args(p)
+    common.add_engine_args(p)
+    common.add_http_args(p)
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error", "critical"])  # fmt: skip
     auth.add_token_args(p)
@@ -53,22 +51,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     token = auth.cluster_token()
-    if not cli_serve.is_loopback(args.host) and token is None:
-        print(f"kvpool worker: binding {args.host} needs ${auth.AUTH_ENV} or --auth-token-file",
-              file=sys.stderr)  # fmt: skip
+    if common.refuse_open_bind("worker", args.host, token):
         return 2
     from kvpool.common.log import setup_logging
 
     setup_logging(args.log_level)
-    config = cli_serve._engine_config(args)
+    config = common.engine_config(args, "worker")
     if config is None:
         return 2
     try:
-        cli_serve.http_limits(args)
+        common.http_limits(args)
     except ValueError as exc:
         print(f"kvpool worker: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    previous = signal.signal(signal.SIGTERM, cli_serve._interrupt)
+    previous = common.sigterm_as_interrupt()
     parts: list = []
     try:
         asyncio.run(_main(args, config, token, parts))
@@ -126,7 +122,7 @@ async def _main(args, config, token: str | None, parts: list) -> None:
     sock = socket.create_server((args.host, args.port), family=_family(args.host))
     http = f"{_url_host(args.host)}:{sock.getsockname()[1]}"
     info = {"id": wid, "role": args.role, "http": http, "rpc": "",
-            "model": cli_serve.served_name(args), "pid": os.getpid()}  # fmt: skip
+            "model": common.served_name(args), "pid": os.getpid()}  # fmt: skip
     control = WorkerControl(info, aeng, asyncio.get_running_loop(), connector)
     # prefill calls hold a pool thread until their KV is published: enough threads that
     # status polls never queue behind them
@@ -141,8 +137,8 @@ async def _main(args, config, token: str | None, parts: list) -> None:
         parts.append(reg.close)
     # the conductor relays with the internal bearer; clients of this worker use the API key
     keys = [k for k in (token and auth.internal_bearer(token), auth.api_key()) if k]
-    limits = cli_serve.http_limits(args)
-    app = build_app(aeng, cli_serve.served_name(args), api_keys=keys, limits=limits)
+    limits = common.http_limits(args)
+    app = build_app(aeng, common.served_name(args), api_keys=keys, limits=limits)
     ready = {"ready": True, **info, "store": args.store}
     await serve_http(app, limits, args.log_level, lambda: print(json.dumps(ready), flush=True),
                      sockets=[sock])  # fmt: skip

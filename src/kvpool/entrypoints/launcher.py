@@ -134,7 +134,7 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
 
 
 def launch(args: argparse.Namespace, token: str | None) -> int:
-    from kvpool.conductor.cli import build, serve_conductor
+    from kvpool.entrypoints.conductor import build, serve_conductor
     from kvpool.transfer.metadata import directory_for
 
     pool, workers = plan(args)

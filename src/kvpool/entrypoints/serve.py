@@ -6,15 +6,20 @@ import argparse
 import asyncio
 import signal
 import sys
-from pathlib import Path
 
 from kvpool.common import auth
 from kvpool.common.errors import KVPoolError
-from kvpool.common.net import is_loopback
-
-DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
-AUTH_ENV = auth.AUTH_ENV
-
+from kvpool.entrypoints.common import (
+    AUTH_ENV,
+    DEFAULT_SERVED_NAME,
+    add_engine_args,
+    add_http_args,
+    engine_config,
+    http_limits,
+    refuse_open_bind,
+    served_name,
+    sigterm_as_interrupt,
+)
 
 _PARSER: list[argparse.ArgumentParser] = []
 
@@ -47,7 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "--max-num-batched-tokens): a chunk's KV is published to the pool "
                         "while the next chunk computes")  # fmt: skip
     c.add_argument("--config", default=None, help="YAML file of these flags (CLI wins)")
-    from kvpool.conductor.cli import add_conductor_args
+    from kvpool.entrypoints.conductor import add_conductor_args
 
     add_conductor_args(c)
     add_http_args(p)
@@ -56,30 +61,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     auth.add_token_args(p)
     p.set_defaults(func=run)
-
-
-def add_http_args(p: argparse.ArgumentParser) -> None:
-    """Limits of the OpenAI HTTP front (shared by ``serve``, ``worker`` and ``conductor``)."""
-    from kvpool.serving.http_limits import HttpLimits
-
-    d = HttpLimits()
-    g = p.add_argument_group("HTTP limits")
-    g.add_argument("--max-body-bytes", default=str(d.max_body_bytes),
-                   help="largest request body (default %(default)s bytes; 413 above)")  # fmt: skip
-    g.add_argument("--max-connections", type=int, default=d.max_connections,
-                   help="open connections and requests at once (503 above; default %(default)s)")  # fmt: skip
-    g.add_argument("--header-timeout", type=float, default=d.header_timeout,
-                   help="seconds a connection may take to send its request headers "
-                        "(default %(default)s)")  # fmt: skip
-    g.add_argument("--body-timeout", type=float, default=d.body_timeout,
-                   help="seconds a request may take to send its body (default %(default)s)")  # fmt: skip
-
-
-def http_limits(args: argparse.Namespace):
-    from kvpool.serving.http_limits import HttpLimits
-
-    return HttpLimits(args.max_body_bytes, args.max_connections, args.header_timeout,
-                      args.body_timeout)  # fmt: skip
 
 
 def apply_config_file(args: argparse.Namespace) -> None:
@@ -99,51 +80,10 @@ def apply_config_file(args: argparse.Namespace) -> None:
             setattr(args, dest, value)
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The engine's flags (shared by ``serve`` and ``worker``)."""
-    p.add_argument(
-        "--model",
-        default=None,
-        help="a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)",
-    )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size, e.g. 512MiB, 1GiB")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument(
-        "--served-model-name",
-        default=None,
-        help=f"model name of the API (default: {DEFAULT_SERVED_NAME} or the folder name)",
-    )
-
-
-def served_name(args: argparse.Namespace) -> str:
-    if args.served_model_name:
-        return args.served_model_name
-    if args.model is None:
-        return DEFAULT_SERVED_NAME
-    path = Path(args.model)
-    return path.stem if path.suffix == ".gguf" else (path.name or args.model)
-
-
-def _interrupt(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
 def run(args: argparse.Namespace) -> int:
     """Load the model, start the engine thread, serve HTTP until Ctrl-C or SIGTERM."""
     token = auth.cluster_token()
-    if not is_loopback(args.host) and token is None:
-        print(
-            f"kvpool serve: refusing to bind {args.host} (not loopback) without an auth "
-            f"token; set {AUTH_ENV}=<secret> or --auth-token-file (clients then send "
-            "'Authorization: Bearer <secret>', or $KVPOOL_API_KEY's key) or bind 127.0.0.1",
-            file=sys.stderr,
-        )
+    if refuse_open_bind("serve", args.host, token):
         return 2
     from kvpool.common.log import setup_logging
 
@@ -155,11 +95,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not args.single:
         return _run_cluster(args, token)
-    config = _engine_config(args)
+    config = engine_config(args)
     if config is None:
         return 2
     # SIGTERM ends like Ctrl-C (uvicorn re-raises it after its graceful shutdown)
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    previous = sigterm_as_interrupt()
     aeng = None
     try:
         aeng = _start_engine(config)
@@ -193,36 +133,15 @@ def _run_cluster(args: argparse.Namespace, token: str | None) -> int:
     except (OSError, ValueError) as exc:
         print(f"kvpool serve: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    if _engine_config(args) is None:
+    if engine_config(args) is None:
         return 2
-    from kvpool.serving.launcher import launch
+    from kvpool.entrypoints.launcher import launch
 
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    previous = sigterm_as_interrupt()
     try:
         return launch(args, token)
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def _engine_config(args: argparse.Namespace):
-    from kvpool.config import EngineConfig
-
-    try:
-        return EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            block_size=args.block_size,
-            kv_cache_memory_bytes=args.kv_cache_memory,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            enable_prefix_caching=not args.no_prefix_caching,
-            served_model_name=served_name(args),
-            num_threads=args.threads,
-        )
-    except ValueError as exc:
-        print(f"kvpool serve: invalid configuration: {exc}", file=sys.stderr)
-        return None
 
 
 def _start_engine(config):

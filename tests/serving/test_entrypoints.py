@@ -1,23 +1,24 @@
-"""`kvpool serve` argument handling (the model-loading path is covered by tests/e2e)."""
+"""Entry points' argument handling (the model-loading path is covered by tests/e2e)."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvpool import cli
-from kvpool.serving import cli_serve
+from kvpool.common.net import is_loopback
+from kvpool.entrypoints import common, serve
 
 
 def test_non_loopback_without_token_is_refused(monkeypatch, capsys):
-    monkeypatch.delenv(cli_serve.AUTH_ENV, raising=False)
-    monkeypatch.setattr(cli_serve, "_start_engine", lambda _c: pytest.fail("must not load"))
+    monkeypatch.delenv(common.AUTH_ENV, raising=False)
+    monkeypatch.setattr(serve, "_start_engine", lambda _c: pytest.fail("must not load"))
     assert cli.main(["serve", "--host", "0.0.0.0", "--port", "1"]) == 2
     err = capsys.readouterr().err
     assert "KVPOOL_AUTH_TOKEN" in err and "0.0.0.0" in err
 
 
 def test_invalid_config_is_reported(monkeypatch, capsys):
-    monkeypatch.setattr(cli_serve, "_start_engine", lambda _c: pytest.fail("must not load"))
+    monkeypatch.setattr(serve, "_start_engine", lambda _c: pytest.fail("must not load"))
     assert cli.main(["serve", "--kv-cache-memory", "lots"]) == 2
     assert "invalid configuration" in capsys.readouterr().err
 
@@ -36,7 +37,7 @@ def test_invalid_config_is_reported(monkeypatch, capsys):
     ],
 )
 def test_is_loopback(host, loopback):
-    assert cli_serve.is_loopback(host) is loopback
+    assert is_loopback(host) is loopback
 
 
 def test_flags_and_served_name():
@@ -60,16 +61,16 @@ def test_flags_and_served_name():
             "--no-prefix-caching",
         ]
     )
-    assert cli_serve.served_name(args) == "Foo-1B"
-    cfg = cli_serve._engine_config(args)
+    assert common.served_name(args) == "Foo-1B"
+    cfg = common.engine_config(args)
     assert (cfg.dtype, cfg.block_size, cfg.kv_cache_memory_bytes) == ("bfloat16", 32, 2**29)
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len) == (8, 512, 1024)
     assert cfg.enable_prefix_caching is False
     default = cli.build_parser().parse_args(["serve"])
     assert (default.host, default.port) == ("127.0.0.1", 8000)
-    assert cli_serve.served_name(default) == "SmolLM2-135M-Instruct"
+    assert common.served_name(default) == "SmolLM2-135M-Instruct"
     named = cli.build_parser().parse_args(["serve", "--served-model-name", "x"])
-    assert cli_serve.served_name(named) == "x"
+    assert common.served_name(named) == "x"
 
 
 def test_no_subcommand_prints_help(capsys):
@@ -88,12 +89,12 @@ def test_export_hf_calls_the_loader(monkeypatch, tmp_path, capsys):
 
 
 def test_cluster_config_file_fills_defaults_and_the_command_line_wins(tmp_path):
-    from kvpool.serving.launcher import plan
+    from kvpool.entrypoints.launcher import plan
 
     cfg = tmp_path / "cluster.yaml"
     cfg.write_text("prefill: 2\nstore-memory: 2GiB\npolicy: least_load\nprefill_chunk: 64\n")
     args = cli.build_parser().parse_args(["serve", "--config", str(cfg), "--prefill", "3"])
-    cli_serve.apply_config_file(args)
+    serve.apply_config_file(args)
     assert args.prefill == 3  # the command line wins
     assert (args.store_memory, args.policy, args.prefill_chunk) == ("2GiB", "least_load", 64)
     pool, workers = plan(args)

@@ -1,0 +1,111 @@
+"""What every entry point shares: the engine and HTTP flags, the refusal to bind a public
+address without a token, SIGTERM as Ctrl-C, and flags to config objects (CLI code)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from kvpool.common import auth
+from kvpool.common.net import is_loopback
+
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+AUTH_ENV = auth.AUTH_ENV
+
+
+def refuse_open_bind(prog: str, host: str, token: str | None) -> bool:
+    """True (and a message) if ``host`` is not loopback and there is no cluster token."""
+    if is_loopback(host) or token is not None:
+        return False
+    print(f"kvpool {prog}: refusing to bind {host} (not loopback) without an auth token; set "
+          f"${AUTH_ENV}=<secret> or --auth-token-file (clients then send 'Authorization: "
+          "Bearer <secret>', or $KVPOOL_API_KEY's key) or bind 127.0.0.1",
+          file=sys.stderr)  # fmt: skip
+    return True
+
+
+def sigterm_as_interrupt():
+    """Make SIGTERM end like Ctrl-C; returns the previous handler (restore it after)."""
+    return signal.signal(signal.SIGTERM, _interrupt)
+
+
+def add_http_args(p: argparse.ArgumentParser) -> None:
+    """Limits of the OpenAI HTTP front (shared by ``serve``, ``worker`` and ``conductor``)."""
+    from kvpool.serving.http_limits import HttpLimits
+
+    d = HttpLimits()
+    g = p.add_argument_group("HTTP limits")
+    g.add_argument("--max-body-bytes", default=str(d.max_body_bytes),
+                   help="largest request body (default %(default)s bytes; 413 above)")  # fmt: skip
+    g.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="open connections and requests at once (503 above; default %(default)s)")  # fmt: skip
+    g.add_argument("--header-timeout", type=float, default=d.header_timeout,
+                   help="seconds a connection may take to send its request headers "
+                        "(default %(default)s)")  # fmt: skip
+    g.add_argument("--body-timeout", type=float, default=d.body_timeout,
+                   help="seconds a request may take to send its body (default %(default)s)")  # fmt: skip
+
+
+def http_limits(args: argparse.Namespace):
+    from kvpool.serving.http_limits import HttpLimits
+
+    return HttpLimits(args.max_body_bytes, args.max_connections, args.header_timeout,
+                      args.body_timeout)  # fmt: skip
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's flags (shared by ``serve`` and ``worker``)."""
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)",
+    )
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size, e.g. 512MiB, 1GiB")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help=f"model name of the API (default: {DEFAULT_SERVED_NAME} or the folder name)",
+    )
+
+
+def served_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model is None:
+        return DEFAULT_SERVED_NAME
+    path = Path(args.model)
+    return path.stem if path.suffix == ".gguf" else (path.name or args.model)
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def engine_config(args: argparse.Namespace, prog: str = "serve"):
+    from kvpool.config import EngineConfig
+
+    try:
+        return EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            kv_cache_memory_bytes=args.kv_cache_memory,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            enable_prefix_caching=not args.no_prefix_caching,
+            served_model_name=served_name(args),
+            num_threads=args.threads,
+        )
+    except ValueError as exc:
+        print(f"kvpool {prog}: invalid configuration: {exc}", file=sys.stderr)
+        return None
