@@ -10,7 +10,7 @@ import pytest
 from kvpool.common.rpc import RpcServer
 from kvpool.conductor.cluster import ClusterState
 from kvpool.engine.block_pool import MAX_EVENTS, BlockPool
-from kvpool.serving.step_model import StepModel
+from kvpool.engine.step_model import StepModel
 
 
 class FakeWorker:

@@ -17,6 +17,9 @@ NAMES = (
     "kvpool_time_to_first_token_seconds",
     "kvpool_inter_token_latency_seconds",
     "kvpool_e2e_request_latency_seconds",
+    "kvpool_kv_fetch_decisions",
+    "kvpool_kv_fetch_predicted_seconds",
+    "kvpool_kv_fetch_realized_seconds",
 )
 
 
@@ -60,6 +63,7 @@ def test_metrics_after_requests(client):
     )
     assert m["kvpool_request_success_total{finish_reason=length}"] == 2
     assert m["kvpool_num_preemptions_total"] == 0
+    assert m["kvpool_kv_fetch_decisions_total{decision=load}"] == 0  # no connector here
     assert m["kvpool_num_requests_running"] == 0 and m["kvpool_num_requests_waiting"] == 0
     assert m["kvpool_kv_cache_usage_ratio"] == 0
     assert m["kvpool_time_to_first_token_seconds_count"] == 2

@@ -18,13 +18,9 @@ from dataclasses import dataclass, field
 from kvpool.common.errors import KVPoolError
 from kvpool.common.hashing import leading_true
 from kvpool.common.rpc import RpcClient
-from kvpool.conductor.cluster_state import (
-    ClusterSnapshot,
-    CostModel,
-    WorkerLoad,
-    WorkerView,
-)
+from kvpool.conductor.cluster_state import ClusterSnapshot, WorkerLoad, WorkerView
 from kvpool.protocol.cluster import WORKERS_PREFIX
+from kvpool.protocol.worker import CostModel
 
 logger = logging.getLogger(__name__)
 

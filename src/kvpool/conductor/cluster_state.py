@@ -8,37 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-@dataclass(slots=True, frozen=True)
-class CostModel:
-    """A worker's step time, fitted to its measured steps (least squares, refreshed often).
-
-    prefill of ``n`` tokens: ``prefill_base_s + prefill_token_s * n``;
-    one decode step with ``b`` running sequences: ``decode_base_s + decode_seq_s * b``.
-    """
-
-    prefill_base_s: float = 0.02
-    prefill_token_s: float = 0.002
-    decode_base_s: float = 0.03
-    decode_seq_s: float = 0.002
-
-    def prefill_s(self, tokens: int) -> float:
-        return self.prefill_base_s + self.prefill_token_s * max(tokens, 0) if tokens > 0 else 0.0
-
-    def decode_step_s(self, batch: int) -> float:
-        return self.decode_base_s + self.decode_seq_s * max(batch, 1)
-
-    def to_dict(self) -> dict:
-        return {
-            "prefill_base_s": self.prefill_base_s,
-            "prefill_token_s": self.prefill_token_s,
-            "decode_base_s": self.decode_base_s,
-            "decode_seq_s": self.decode_seq_s,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict) -> CostModel:
-        return cls(**{k: float(d[k]) for k in cls().to_dict() if k in d})
+from kvpool.protocol.worker import CostModel
 
 
 @dataclass(slots=True)

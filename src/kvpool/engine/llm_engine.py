@@ -26,6 +26,7 @@ from kvpool.engine.output import OutputProcessor
 from kvpool.engine.request import Request, RequestOutput, RequestStatus
 from kvpool.engine.sampling import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerConfig
+from kvpool.engine.step_model import StepModel
 from kvpool.model.kernels import paged_kernels
 from kvpool.model.llama import LlamaModel
 from kvpool.model.loader import LoadedModel, load_model
@@ -48,6 +49,11 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     steps: int
+    kv_fetch_loads: int = 0  # prefixes the connector chose to load
+    kv_fetch_recomputes: int = 0  # prefixes the pool held that it chose to recompute
+    kv_fetch_skipped: int = 0  # prefixes too short to be worth even a lookup
+    kv_fetch_predicted_seconds: float = 0.0  # its predicted waits for those loads...
+    kv_fetch_realized_seconds: float = 0.0  # ...and what they were
 
 
 class LLMEngine:
@@ -77,6 +83,8 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings, capacity
         )
+        # (prefill tokens, decoding sequences, seconds) of recent steps: cost-model samples
+        self.step_times: deque[tuple[int, int, float]] = deque(maxlen=512)
         self.namespace = kv_namespace(
             self.loaded.fingerprint,
             dtype=config.dtype,
@@ -89,6 +97,9 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(self.pool, bs, namespace_seed(self.namespace))
         self.connector = connector or NoopConnector()
         self.connector.bind(self.kv_cache, bs, self.namespace)
+        self._cost = StepModel(self.step_times)  # the step-time model, refitted every 32 steps
+        self._cost_fit, self._cost_fit_step = self._cost.fit(), 0
+        self.connector.set_cost_model(self.prefill_cost_s, self.typical_step_s)
         sched = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                 config.kv_load_timeout_s)  # fmt: skip
         self.scheduler = Scheduler(sched, self.kv_manager, self.connector)
@@ -100,8 +111,6 @@ class LLMEngine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.load_stall_seconds = 0.0  # steps with nothing to run while prefixes were loading
-        # (prefill tokens, decoding sequences, seconds) of recent steps: cost-model samples
-        self.step_times: deque[tuple[int, int, float]] = deque(maxlen=512)
         logger.info(
             "engine ready in %.1fs: %s, %s, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
             time.perf_counter() - t0,
@@ -232,10 +241,32 @@ class LLMEngine:
                     del self._saving[block_id]
                 self.pool.free([self.pool.blocks[block_id]])
 
+    # -- cost predictions (for the connector's load-or-recompute decisions) -----------------
+
+    def prefill_cost_s(self, num_tokens: int) -> float:
+        """Predicted seconds to compute ``num_tokens`` more prompt tokens (the step-cost model's
+        per-token prefill cost; the step's fixed cost is paid anyway)."""
+        steps = self.scheduler.stats.steps
+        if steps - self._cost_fit_step >= 32:
+            self._cost_fit, self._cost_fit_step = self._cost.fit(), steps
+        return self._cost_fit.prefill_token_s * max(num_tokens, 0)
+
+    def typical_step_s(self) -> float:
+        """The median of the last 16 steps' seconds (0 before any step)."""
+        recent = [t for _, _, t in list(self.step_times)[-16:]]
+        return float(sorted(recent)[len(recent) // 2]) if recent else 0.0
+
     # -- introspection ----------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats
+        f = self.connector.fetch_stats()
+        fetch = {} if f is None else {
+            "kv_fetch_loads": f.loads, "kv_fetch_recomputes": f.recomputes,
+            "kv_fetch_skipped": f.skipped_lookups,
+            "kv_fetch_predicted_seconds": f.predicted_load_seconds,
+            "kv_fetch_realized_seconds": f.realized_load_seconds,
+        }  # fmt: skip
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -248,6 +279,7 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             steps=s.steps,
+            **fetch,
         )
 
     def reset_prefix_cache(self) -> int:

@@ -41,6 +41,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds a prefix load or a save may wait for the pool (an unreachable "
                         "master or node, a master fail-over) before the worker recomputes or "
                         "drops the save (default %(default)s)")  # fmt: skip
+    p.add_argument("--kv-load", choices=["async", "sync"], default="async",
+                   help="load pool prefixes in the background while other requests step "
+                        "(async, default), or inside the engine step (sync: the old path)")  # fmt: skip
+    p.add_argument("--fetch-policy", choices=["auto", "always"], default="auto",
+                   help="auto: load a prefix only when that is predicted faster than "
+                        "recomputing it (measured load cost against the engine's step-cost "
+                        "model); always: load whatever the pool holds")  # fmt: skip
     common.add_engine_args(p)
     common.add_http_args(p)
     p.add_argument("--log-level", default="info",
@@ -103,7 +110,8 @@ def _connector(args: argparse.Namespace, token: str | None, parts: list):
     client = StoreClient(args.store, transfer, token=token or "", timeout=wait,
                          failover_timeout=wait)  # fmt: skip
     parts.append(client.close)
-    return StoreConnector(client)
+    return StoreConnector(client, async_load=args.kv_load == "async",
+                          fetch_policy=args.fetch_policy == "auto")  # fmt: skip
 
 
 async def _main(args, config, token: str | None, parts: list) -> None:

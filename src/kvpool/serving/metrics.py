@@ -105,6 +105,12 @@ _COUNTERS = (
     ),
     ("kvpool_num_preemptions", "Requests preempted for lack of KV blocks.", "num_preemptions"),
 )
+_FETCH_SECONDS = (
+    ("kvpool_kv_fetch_predicted_seconds", "Predicted waits of the prefix loads chosen.",
+     "kv_fetch_predicted_seconds"),
+    ("kvpool_kv_fetch_realized_seconds", "Realized waits of those loads (decision to runnable).",
+     "kv_fetch_realized_seconds"),
+)  # fmt: skip
 _GAUGES = (
     ("kvpool_num_requests_running", "Requests in the running batch.", "num_running"),
     ("kvpool_num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
@@ -126,6 +132,18 @@ class EngineStatsCollector(Collector):
             logger.exception("reading engine stats failed")
             return
         for name, doc, field in _COUNTERS:
+            yield CounterMetricFamily(name, doc, value=getattr(s, field))
+        fetch = CounterMetricFamily(
+            "kvpool_kv_fetch_decisions",
+            "Prefix loads decided: load, recompute (predicted faster), skip_lookup (too short "
+            "to pay even as a full hit).",
+            labels=["decision"],
+        )
+        fetch.add_metric(["load"], s.kv_fetch_loads)
+        fetch.add_metric(["recompute"], s.kv_fetch_recomputes)
+        fetch.add_metric(["skip_lookup"], s.kv_fetch_skipped)
+        yield fetch
+        for name, doc, field in _FETCH_SECONDS:
             yield CounterMetricFamily(name, doc, value=getattr(s, field))
         for name, doc, field in _GAUGES:
             yield GaugeMetricFamily(name, doc, value=getattr(s, field))

@@ -20,7 +20,7 @@ from kvpool.common.hashing import block_hashes
 from kvpool.common.rpc import rpc_method
 from kvpool.engine.async_engine import AsyncLLMEngine
 from kvpool.engine.sampling import SamplingParams
-from kvpool.serving.step_model import StepModel
+from kvpool.engine.step_model import StepModel
 
 logger = logging.getLogger(__name__)
 MAX_REMAINING_ITEMS = 256

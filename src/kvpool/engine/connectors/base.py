@@ -32,10 +32,12 @@ Every load verifies token ids: a block whose stored tokens differ ends the loade
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from kvpool.engine.connectors.fetch_policy import FetchStats
 from kvpool.engine.request import Request
 
 
@@ -60,6 +62,17 @@ class KVConnector(ABC):
     def bind(self, kv_cache: torch.Tensor, block_size: int, namespace: str) -> None:
         """Called once by the engine with its KV tensor (block-major, DESIGN.md §3)."""
         self.block_size = block_size
+
+    def set_cost_model(  # noqa: B027
+        self, compute_s: Callable[[int], float], step_s: Callable[[], float]
+    ) -> None:
+        """The engine's predictions: seconds to compute ``n`` prompt tokens, and a typical
+        step's seconds (a connector that fetches only when it pays compares them with its
+        loads)."""
+
+    def fetch_stats(self) -> FetchStats | None:
+        """Counters of load-or-recompute decisions (None: this connector does not decide)."""
+        return None
 
     # -- scheduler side ---------------------------------------------------------------------
 

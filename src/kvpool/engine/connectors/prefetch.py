@@ -94,9 +94,11 @@ class Prefetcher:
 
     def __init__(self, exists: Callable[[list[bytes]], list[bool]],
                  load: Callable[[list[BlockRef], list[int]], int], view: PoolView,
-                 max_loads: int = 8, lookup_wait: float = 0.5) -> None:  # fmt: skip
+                 max_loads: int = 8, lookup_wait: float = 0.5,
+                 on_loaded: Callable[[int, float], None] | None = None) -> None:  # fmt: skip
         self._exists = exists
         self._load = load
+        self._on_loaded = on_loaded  # (blocks asked, seconds) of each load that ran
         self.view = view
         self.max_loads = max_loads
         self.lookup_wait = lookup_wait  # past this, a request goes on with what is known
@@ -162,6 +164,11 @@ class Prefetcher:
     def busy(self) -> bool:
         return bool(self._jobs)
 
+    def backlog_blocks(self) -> int:
+        """Blocks of the loads queued or running now."""
+        with self._lock:
+            return sum(len(j.blocks) for j in self._jobs.values())
+
     # -- threads ------------------------------------------------------------------------------
 
     def _lookup_loop(self) -> None:
@@ -194,8 +201,11 @@ class Prefetcher:
                     n = self._load(job.blocks, job.block_ids)
                 except Exception:
                     logger.exception("KV load for %s failed; it is recomputed", job.request_id)
-                self.load_seconds += time.perf_counter() - t0
+                took = time.perf_counter() - t0
+                self.load_seconds += took
                 self.loads += 1
+                if self._on_loaded is not None:
+                    self._on_loaded(len(job.blocks), took)
                 hashes = [b.block_hash for b in job.blocks]
                 self.view.mark(hashes[:n], True)
                 self.view.mark(hashes[n : n + 1], False)

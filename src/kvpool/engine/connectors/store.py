@@ -30,6 +30,7 @@ import torch
 from kvpool.common.errors import AlreadyExistsError, KVPoolError
 from kvpool.common.hashing import leading_true
 from kvpool.engine.connectors.base import BlockRef, KVConnector
+from kvpool.engine.connectors.fetch_policy import FetchPolicy, FetchStats
 from kvpool.engine.connectors.prefetch import PoolView, Prefetcher
 from kvpool.engine.request import Request
 from kvpool.protocol.kv_object import block_key, header_size, header_tokens, pack_header
@@ -58,7 +59,8 @@ class StoreConnector(KVConnector):
     """Loads prefix blocks from the pool and publishes full blocks to it."""
 
     def __init__(self, client, retry_after_s: float = 5.0, save: bool = True, *,
-                 async_load: bool = True, max_loads: int = 8) -> None:  # fmt: skip
+                 async_load: bool = True, max_loads: int = 8,
+                 fetch_policy: bool = True) -> None:  # fmt: skip
         self.client = client  # a kvpool.store.StoreClient (thread-safe)
         self.retry_after_s = retry_after_s
         self._save_enabled = save
@@ -66,6 +68,10 @@ class StoreConnector(KVConnector):
         self.view = PoolView()
         self._max_loads = max_loads
         self._prefetch: Prefetcher | None = None
+        self._use_policy = fetch_policy and async_load
+        self.policy: FetchPolicy | None = None  # set at bind (it needs the block size)
+        self._decided: dict[str, tuple[int, float | None]] = {}  # request -> (load?, predicted)
+        self._started: dict[str, tuple[float, float | None]] = {}  # request -> (when, predicted)
         self.stats = ConnectorStats()
         self._down_until = 0.0
         self._blocks: np.ndarray | None = None  # [num_blocks, block_bytes] uint8 view
@@ -88,8 +94,12 @@ class StoreConnector(KVConnector):
         self.block_size = block_size
         self.namespace = namespace
         self._head_len = header_size(block_size)
+        if self._use_policy:
+            self.policy = FetchPolicy(self._head_len + self.block_bytes, block_size)
         if self.async_load:
-            self._prefetch = Prefetcher(self._exists, self._load_now, self.view, self._max_loads)
+            on_loaded = self.policy.observe_load if self.policy is not None else None
+            self._prefetch = Prefetcher(self._exists, self._load_now, self.view, self._max_loads,
+                                        on_loaded=on_loaded)  # fmt: skip
         if self._save_enabled:
             self._thread = threading.Thread(target=self._save_loop, name="kvpool-kv-save",
                                             daemon=True)  # fmt: skip
@@ -124,23 +134,57 @@ class StoreConnector(KVConnector):
         hashes = request.block_hashes[num_computed_tokens // bs : max_blocks]
         if not hashes:
             return 0, False
-        n = self._prefetch.matched_blocks(request.request_id, hashes)
+        rid = request.request_id
+        backlog = self._prefetch.backlog_blocks()
+        if self.policy is not None:
+            decided = self._decided.get(rid)
+            if decided is None and not self.policy.worth_looking_up(len(hashes), backlog):
+                decided = self._decided[rid] = (0, None)  # even a full hit would not pay
+                self.policy.stats.skipped_lookups += 1
+            if decided is not None and not decided[0]:
+                return 0, False
+        n = self._prefetch.matched_blocks(rid, hashes)
         if n is None:
             return None, True
+        if n and self.policy is not None:
+            if rid not in self._decided:
+                self._decided[rid] = self.policy.decide(n, backlog)
+            if not self._decided[rid][0]:
+                return 0, False
         return n * bs, n > 0
 
     def update_state_after_alloc(
         self, request: Request, blocks: list[BlockRef], block_ids: list[int]
     ) -> None:
         assert self._prefetch is not None, "asynchronous loads need async_load=True"
-        self._prefetch.start_load(request.request_id, blocks, block_ids)
+        rid = request.request_id
+        self._started[rid] = (time.monotonic(), self._decided.get(rid, (0, None))[1])
+        self._prefetch.start_load(rid, blocks, block_ids)
 
     def request_finished(self, request_id: str) -> None:
+        self._decided.pop(request_id, None)
+        self._started.pop(request_id, None)
         if self._prefetch is not None:
             self._prefetch.request_finished(request_id)
 
     def get_finished(self) -> dict[str, int]:
-        return self._prefetch.finished() if self._prefetch is not None else {}
+        if self._prefetch is None:
+            return {}
+        done = self._prefetch.finished()
+        now = time.monotonic()
+        for rid in done:
+            started = self._started.pop(rid, None)
+            self._decided.pop(rid, None)
+            if started is not None and self.policy is not None:
+                self.policy.observe_wait(now - started[0], started[1])
+        return done
+
+    def set_cost_model(self, compute_s, step_s) -> None:
+        if self.policy is not None:
+            self.policy.compute_s, self.policy.step_s = compute_s, step_s
+
+    def fetch_stats(self) -> FetchStats | None:
+        return self.policy.stats if self.policy is not None else None
 
     def wait_for_events(self, timeout: float) -> None:
         if self._prefetch is not None:

@@ -10,7 +10,7 @@ from collections import deque
 
 import numpy as np
 
-from kvpool.conductor.cluster_state import CostModel
+from kvpool.protocol.worker import CostModel
 
 MIN_SAMPLES = 8
 

@@ -1,0 +1,133 @@
+"""Fetch only when it pays: load a prefix from the pool only if that beats recomputing it.
+
+A cache is worth the time it saves minus the time its fetch costs, and a hit from a slow tier
+can be slower than recomputing. Per request, the scheduler side predicts both:
+
+- **loading** ``n`` blocks: the measured cost of loads from this source (least squares over the
+  recent ones: ``seconds ~ latency + bytes / bandwidth``), plus the wait for the next step
+  boundary (a loaded request re-enters the batch at the step after its load ends: half a
+  step on average, measured from the engine's recent steps);
+- **recomputing** them: the engine's own step-cost model (``StepModel``: seconds per prefill
+  token), times the tokens the blocks hold (the step's fixed cost is paid either way: the
+  request computes at least its last token).
+
+Both grow linearly with the prefix, so the answer is all or nothing: load the whole available
+prefix if that is predicted cheaper, else none of it (short prefixes lose to the fixed costs
+of a load; a link slower per byte than compute loses at every length). With no measurement
+yet, or the last one older than ``remeasure_s``, it loads (to measure). ``FetchStats`` counts
+the decisions and, for loads, the predicted against the realized seconds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class FetchStats:
+    loads: int = 0  # decisions to load
+    recomputes: int = 0  # decisions to recompute a prefix the pool holds
+    skipped_lookups: int = 0  # prefixes too short to pay even if the pool held them all
+    measuring: int = 0  # of the loads, taken to measure (no fresh measurement)
+    predicted_load_seconds: float = 0.0  # over the loads that had a prediction
+    realized_load_seconds: float = 0.0  # the same loads, as they went
+    saved_compute_seconds: float = 0.0  # predicted recompute time of what was loaded
+
+
+class LoadCostModel:
+    """Measured seconds of recent loads against their bytes."""
+
+    def __init__(self, window: int = 64) -> None:
+        self._samples: deque[tuple[float, float]] = deque(maxlen=window)
+        self._lock = threading.Lock()
+        self.last_sample = -float("inf")
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            with self._lock:
+                self._samples.append((float(nbytes), seconds))
+                self.last_sample = time.monotonic()
+
+    def predict(self, nbytes: int) -> float | None:
+        """Seconds to load ``nbytes``; None before any measurement."""
+        with self._lock:
+            if not self._samples:
+                return None
+            data = np.asarray(self._samples)
+        x, y = data[:, 0], data[:, 1]
+        if len(data) >= 3 and np.ptp(x) > 0.2 * float(np.mean(x)):
+            per_byte, latency = np.polyfit(x, y, 1)
+            if per_byte > 0 and latency >= 0:
+                return float(latency + per_byte * nbytes)
+        # one size seen (or a fit that makes no sense): proportional to the bytes
+        return float(np.sum(y) / np.sum(x) * nbytes)
+
+
+class FetchPolicy:
+    """Decides, per request, how many of the blocks the pool holds to load."""
+
+    def __init__(self, block_bytes: int, block_size: int, remeasure_s: float = 30.0) -> None:
+        self.block_bytes = block_bytes
+        self.block_size = block_size
+        self.remeasure_s = remeasure_s
+        self.loads = LoadCostModel()
+        self.stats = FetchStats()
+        # seconds to compute n prompt tokens, and the engine's typical step (set by the engine)
+        self.compute_s: Callable[[int], float] | None = None
+        self.step_s: Callable[[], float] | None = None
+
+    def predicted_load_s(self, n_blocks: int, backlog: int = 0) -> float | None:
+        """Seconds until ``n_blocks`` are loaded and their request runs again, behind
+        ``backlog`` blocks of loads queued before it."""
+        load = self.loads.predict((n_blocks + backlog) * self.block_bytes)
+        if load is None:
+            return None
+        step = self.step_s() if self.step_s is not None else 0.0
+        return load + step / 2
+
+    def predicted_compute_s(self, n_blocks: int) -> float | None:
+        return None if self.compute_s is None else self.compute_s(n_blocks * self.block_size)
+
+    def worth_looking_up(self, n_blocks: int, backlog: int = 0) -> bool:
+        """False if even a hit on all ``n_blocks`` would not pay (skip the lookup too)."""
+        return self._pays(n_blocks, backlog)[0]
+
+    def decide(self, n_blocks: int, backlog: int = 0) -> tuple[int, float | None]:
+        """(blocks to load, predicted seconds of that load); counted in ``stats``."""
+        if n_blocks <= 0:
+            return 0, None
+        pays, load, compute = self._pays(n_blocks, backlog)
+        if not pays:
+            self.stats.recomputes += 1
+            return 0, None
+        self.stats.loads += 1
+        if load is None:
+            self.stats.measuring += 1
+        if compute is not None:
+            self.stats.saved_compute_seconds += compute
+        return n_blocks, load
+
+    def _pays(self, n_blocks: int, backlog: int) -> tuple[bool, float | None, float | None]:
+        compute = self.predicted_compute_s(n_blocks)
+        load = self.predicted_load_s(n_blocks, backlog)
+        stale = time.monotonic() - self.loads.last_sample > self.remeasure_s
+        if load is None or compute is None or stale:
+            return True, load, compute  # nothing to compare (yet): load, and measure
+        return load < compute, load, compute
+
+    def observe_load(self, n_blocks: int, seconds: float) -> None:
+        """The load thread moved ``n_blocks`` in ``seconds`` (feeds the cost model)."""
+        self.loads.observe(n_blocks * self.block_bytes, seconds)
+
+    def observe_wait(self, seconds: float, predicted: float | None) -> None:
+        """A request waited ``seconds`` for its load, from the decision to being runnable
+        again (``predicted``: what ``decide`` said)."""
+        if predicted is not None:
+            self.stats.predicted_load_seconds += predicted
+            self.stats.realized_load_seconds += seconds

@@ -1,0 +1,112 @@
+"""Fetch only when it pays: the load-or-recompute decision, and an engine that makes it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvpool import SamplingParams
+from kvpool.engine.connectors.fetch_policy import FetchPolicy, LoadCostModel
+from kvpool.engine.connectors.store import StoreConnector
+from kvpool.store.embedded import EmbeddedStore
+
+KB = 1000
+
+
+def test_load_cost_model_separates_latency_from_bandwidth():
+    m = LoadCostModel()
+    assert m.predict(1000) is None
+    for n in (10, 50, 100, 200, 400):  # 5 ms + 1 ms per 100 KB
+        m.observe(n * KB, 0.005 + n * 1e-5)
+    assert m.predict(300 * KB) == pytest.approx(0.008, rel=0.01)
+    one = LoadCostModel()
+    one.observe(100 * KB, 0.01)  # one size only: proportional
+    assert one.predict(50 * KB) == pytest.approx(0.005)
+
+
+def policy(latency_s: float, per_block_s: float, compute_token_s: float, step_s: float = 0.04):
+    p = FetchPolicy(block_bytes=100 * KB, block_size=16)
+    for n in (1, 4, 16, 64):
+        p.observe_load(n, latency_s + n * per_block_s)
+    p.compute_s = lambda tokens: compute_token_s * tokens
+    p.step_s = lambda: step_s
+    return p
+
+
+def test_short_prefixes_are_recomputed_long_ones_loaded():
+    # a load costs 30 ms + half a step (20 ms) + 1 ms a block; computing costs 1 ms a token
+    p = policy(latency_s=0.030, per_block_s=0.001, compute_token_s=0.001)
+    assert p.decide(2) == (0, None)  # 32 tokens: 32 ms of compute < 52 ms of loading
+    n, predicted = p.decide(32)  # 512 tokens: 512 ms of compute > 82 ms of loading
+    assert n == 32 and predicted == pytest.approx(0.082, rel=0.01)
+    assert not p.worth_looking_up(2) and p.worth_looking_up(32)
+    assert (p.stats.loads, p.stats.recomputes) == (1, 1)
+    assert p.stats.saved_compute_seconds == pytest.approx(0.512)
+
+
+def test_a_link_slower_than_compute_loads_nothing():
+    p = policy(latency_s=0.001, per_block_s=0.05, compute_token_s=0.001)  # 50 ms a block
+    assert [p.decide(n)[0] for n in (1, 8, 64, 256)] == [0, 0, 0, 0]
+
+
+def test_queued_loads_count_against_a_new_one():
+    p = policy(latency_s=0.010, per_block_s=0.004, compute_token_s=0.001)
+    assert p.decide(8)[0] == 8  # 8 blocks: 62 ms of loading < 128 ms of compute
+    assert p.decide(8, backlog=64)[0] == 0  # behind 64 queued blocks: 318 ms
+
+
+def test_no_measurement_or_a_stale_one_loads_to_measure(monkeypatch):
+    fresh = FetchPolicy(block_bytes=100 * KB, block_size=16)
+    fresh.compute_s = lambda tokens: 1e-6 * tokens
+    assert fresh.decide(4)[0] == 4 and fresh.stats.measuring == 1
+    p = policy(latency_s=0.001, per_block_s=0.05, compute_token_s=0.001)
+    assert p.decide(8)[0] == 0
+    later = time.monotonic() + p.remeasure_s + 1
+    monkeypatch.setattr(time, "monotonic", lambda: later)
+    assert p.decide(8)[0] == 8  # the measurement is old: load once to measure again
+
+
+def test_realized_waits_are_counted_against_predictions():
+    p = policy(latency_s=0.030, per_block_s=0.001, compute_token_s=0.001)
+    _, predicted = p.decide(32)
+    p.observe_wait(0.1, predicted)
+    assert p.stats.predicted_load_seconds == pytest.approx(predicted)
+    assert p.stats.realized_load_seconds == pytest.approx(0.1)
+
+
+def run(eng, prompt, sp, rid):
+    eng.add_request(rid, prompt, sp)
+    out = None
+    deadline = time.monotonic() + 30
+    while eng.has_unfinished_requests() and time.monotonic() < deadline:
+        out = eng.step() or out
+    return out[-1]
+
+
+def test_an_engine_whose_compute_is_cheap_stops_loading(tiny_engine_factory):
+    """The tiny model computes a block in microseconds: once a load has been measured, the
+    pool's copies of later prefixes are recomputed instead, with the same tokens."""
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 256, (41,), generator=gen).tolist() for _ in range(4)]
+    with EmbeddedStore(memory="64MiB") as pool:
+        warm_conn = StoreConnector(pool, fetch_policy=False)
+        warm = tiny_engine_factory(connector=warm_conn)
+        colds = [run(warm, p, sp, f"w{i}").outputs[0].token_ids for i, p in enumerate(prompts)]
+        assert warm_conn.wait_saved(list(warm.pool.cached_hashes()), 10)
+        warm.close()
+        conn = StoreConnector(pool)
+        eng = tiny_engine_factory(connector=conn)
+        for _ in range(40):  # steps for the cost model to fit this engine's compute
+            run(eng, [1, 2, 3], SamplingParams(max_tokens=1), f"fit{_}")
+        outs = [run(eng, p, sp, f"r{i}") for i, p in enumerate(prompts)]
+        eng.close()
+    assert [o.outputs[0].token_ids for o in outs] == colds
+    st = eng.stats()
+    assert st.kv_fetch_loads == 1  # the first, to measure
+    assert st.kv_fetch_recomputes + st.kv_fetch_skipped == 3
+    assert outs[0].num_cached_tokens == 40
+    assert [o.num_cached_tokens for o in outs[1:]] == [0, 0, 0]
+    assert conn.policy.stats.measuring == 1 and conn.policy.loads.predict(1) is not None
