@@ -26,7 +26,7 @@ def test_load_cost_model_separates_latency_from_bandwidth():
     assert one.predict(50 * KB) == pytest.approx(0.005)
 
 
-def policy(latency_s: float, per_block_s: float, compute_token_s: float, step_s: float = 0.04):
+def policy(latency_s: float, per_block_s: float, compute_token_s: float, step_s: float = 0.02):
     p = FetchPolicy(block_bytes=100 * KB, block_size=16)
     for n in (1, 4, 16, 64):
         p.observe_load(n, latency_s + n * per_block_s)
@@ -36,7 +36,7 @@ def policy(latency_s: float, per_block_s: float, compute_token_s: float, step_s:
 
 
 def test_short_prefixes_are_recomputed_long_ones_loaded():
-    # a load costs 30 ms + half a step (20 ms) + 1 ms a block; computing costs 1 ms a token
+    # a load costs 30 ms + a step (20 ms) + 1 ms a block; computing costs 1 ms a token
     p = policy(latency_s=0.030, per_block_s=0.001, compute_token_s=0.001)
     assert p.decide(2) == (0, None)  # 32 tokens: 32 ms of compute < 52 ms of loading
     n, predicted = p.decide(32)  # 512 tokens: 512 ms of compute > 82 ms of loading
@@ -62,10 +62,13 @@ def test_no_measurement_or_a_stale_one_loads_to_measure(monkeypatch):
     fresh.compute_s = lambda tokens: 1e-6 * tokens
     assert fresh.decide(4)[0] == 4 and fresh.stats.measuring == 1
     p = policy(latency_s=0.001, per_block_s=0.05, compute_token_s=0.001)
-    assert p.decide(8)[0] == 0
+    assert p.decide(8)[0] == 0 and not p.wants_probe()
     later = time.monotonic() + p.remeasure_s + 1
     monkeypatch.setattr(time, "monotonic", lambda: later)
-    assert p.decide(8)[0] == 8  # the measurement is old: load once to measure again
+    assert p.worth_looking_up(1)  # stale: look up, so that a hit can be probed
+    assert p.decide(8)[0] == 0  # the old figures still decide...
+    assert p.wants_probe() and not p.wants_probe()  # ...and one background probe refreshes them
+    assert p.stats.probes == 1
 
 
 def test_realized_waits_are_counted_against_predictions():

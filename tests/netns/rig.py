@@ -8,7 +8,8 @@ share memory: what crosses hosts goes over TCP, as it would between machines). E
 is inside the namespaces the rig made; ``close`` kills what it started and deletes them.
 
 ``cut(host, net)`` / ``restore(host, net)`` take a host's interface down and up (``ip link
-set``), which cuts it from everything on that network. Needs root and iproute2.
+set``), which cuts it from everything on that network; ``throttle(host, rate)`` shapes what a
+host sends (``tc`` token bucket). Needs root and iproute2.
 """
 
 from __future__ import annotations
@@ -227,6 +228,13 @@ class Rig:
             if '"operstate":"UP"' in out.replace(" ", ""):
                 return
             time.sleep(0.1)
+
+    def throttle(self, host: str, rate: str, net: str = "data") -> None:
+        """Shape what ``host`` sends on ``net`` to ``rate`` (e.g. ``"320mbit"``: a token
+        bucket, ``tc qdisc ... tbf``): a slow link or a slow storage tier behind it."""
+        subprocess.run(["ip", "netns", "exec", self.hosts[host].ns, "tc", "qdisc", "replace",
+                        "dev", net, "root", "tbf", "rate", rate, "burst", "256kb", "latency",
+                        "500ms"], check=True, capture_output=True, timeout=30)  # fmt: skip
 
     def close(self) -> None:
         for proc in reversed(self.procs):

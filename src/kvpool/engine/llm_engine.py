@@ -7,6 +7,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvpool.common.errors import BadRequestError, NotFoundError
@@ -244,17 +245,27 @@ class LLMEngine:
     # -- cost predictions (for the connector's load-or-recompute decisions) -----------------
 
     def prefill_cost_s(self, num_tokens: int) -> float:
-        """Predicted seconds to compute ``num_tokens`` more prompt tokens (the step-cost model's
-        per-token prefill cost; the step's fixed cost is paid anyway)."""
+        """Predicted seconds to compute ``num_tokens`` more prompt tokens, beyond the step's
+        fixed cost (paid anyway). From recent steps that prefilled about as many tokens (half
+        to twice: a prompt's per-token cost grows with its length), else the step-cost
+        model's per-token slope."""
         steps = self.scheduler.stats.steps
         if steps - self._cost_fit_step >= 32:
             self._cost_fit, self._cost_fit_step = self._cost.fit(), steps
-        return self._cost_fit.prefill_token_s * max(num_tokens, 0)
+        fit = self._cost_fit
+        if num_tokens <= 0:
+            return 0.0
+        alike = [(t - fit.decode_step_s(d)) / p for p, d, t in list(self.step_times)[-128:]
+                 if num_tokens / 2 <= p <= 2 * num_tokens]  # fmt: skip
+        if len(alike) >= 2:
+            return max(float(np.median(alike)), 0.0) * num_tokens
+        return fit.prefill_token_s * num_tokens
 
     def typical_step_s(self) -> float:
-        """The median of the last 16 steps' seconds (0 before any step)."""
-        recent = [t for _, _, t in list(self.step_times)[-16:]]
-        return float(sorted(recent)[len(recent) // 2]) if recent else 0.0
+        """Predicted seconds of the step the engine runs now (its running batch decoding; 0
+        when nothing runs: then a finished load is picked up at once)."""
+        running = len(self.scheduler.running)
+        return self._cost_fit.decode_step_s(running) if running else 0.0
 
     # -- introspection ----------------------------------------------------------------------
 

@@ -4,9 +4,10 @@ A cache is worth the time it saves minus the time its fetch costs, and a hit fro
 can be slower than recomputing. Per request, the scheduler side predicts both:
 
 - **loading** ``n`` blocks: the measured cost of loads from this source (least squares over the
-  recent ones: ``seconds ~ latency + bytes / bandwidth``), plus the wait for the next step
-  boundary (a loaded request re-enters the batch at the step after its load ends: half a
-  step on average, measured from the engine's recent steps);
+  recent ones: ``seconds ~ latency + bytes / bandwidth``, with the loads queued ahead), plus
+  one step of the running batch (a request waits for a step boundary twice: to see its
+  lookup's answer and to run after its load: half a step each on average; nothing to wait
+  for when nothing else runs);
 - **recomputing** them: the engine's own step-cost model (``StepModel``: seconds per prefill
   token), times the tokens the blocks hold (the step's fixed cost is paid either way: the
   request computes at least its last token).
@@ -14,7 +15,9 @@ can be slower than recomputing. Per request, the scheduler side predicts both:
 Both grow linearly with the prefix, so the answer is all or nothing: load the whole available
 prefix if that is predicted cheaper, else none of it (short prefixes lose to the fixed costs
 of a load; a link slower per byte than compute loses at every length). With no measurement
-yet, or the last one older than ``remeasure_s``, it loads (to measure). ``FetchStats`` counts
+yet it loads (to measure); when the last measurement is older than ``remeasure_s`` and the
+decision is "recompute", ``PROBE_BLOCKS`` of the prefix are read in the background into
+scratch memory to measure again, while the request computes (it waits for nothing). ``FetchStats`` counts
 the decisions and, for loads, the predicted against the realized seconds.
 """
 
@@ -28,13 +31,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+PROBE_BLOCKS = 4  # blocks a background probe reads
+
 
 @dataclass(slots=True)
 class FetchStats:
     loads: int = 0  # decisions to load
     recomputes: int = 0  # decisions to recompute a prefix the pool holds
     skipped_lookups: int = 0  # prefixes too short to pay even if the pool held them all
-    measuring: int = 0  # of the loads, taken to measure (no fresh measurement)
+    measuring: int = 0  # of the loads, taken to measure (no measurement yet)
+    probes: int = 0  # background reads of a few blocks to refresh stale figures
     predicted_load_seconds: float = 0.0  # over the loads that had a prediction
     realized_load_seconds: float = 0.0  # the same loads, as they went
     saved_compute_seconds: float = 0.0  # predicted recompute time of what was loaded
@@ -81,6 +87,7 @@ class FetchPolicy:
         # seconds to compute n prompt tokens, and the engine's typical step (set by the engine)
         self.compute_s: Callable[[int], float] | None = None
         self.step_s: Callable[[], float] | None = None
+        self._probed = -float("inf")
 
     def predicted_load_s(self, n_blocks: int, backlog: int = 0) -> float | None:
         """Seconds until ``n_blocks`` are loaded and their request runs again, behind
@@ -89,37 +96,49 @@ class FetchPolicy:
         if load is None:
             return None
         step = self.step_s() if self.step_s is not None else 0.0
-        return load + step / 2
+        return load + step
 
     def predicted_compute_s(self, n_blocks: int) -> float | None:
         return None if self.compute_s is None else self.compute_s(n_blocks * self.block_size)
 
     def worth_looking_up(self, n_blocks: int, backlog: int = 0) -> bool:
-        """False if even a hit on all ``n_blocks`` would not pay (skip the lookup too)."""
-        return self._pays(n_blocks, backlog)[0]
+        """False if even a hit on all ``n_blocks`` would not pay (skip the lookup too); a
+        stale measurement looks up anyway (a hit can then be probed)."""
+        compute = self.predicted_compute_s(n_blocks)
+        load = self.predicted_load_s(n_blocks, backlog)
+        if load is None or compute is None or self._stale():
+            return True
+        return load < compute
 
     def decide(self, n_blocks: int, backlog: int = 0) -> tuple[int, float | None]:
         """(blocks to load, predicted seconds of that load); counted in ``stats``."""
         if n_blocks <= 0:
             return 0, None
-        pays, load, compute = self._pays(n_blocks, backlog)
-        if not pays:
-            self.stats.recomputes += 1
-            return 0, None
-        self.stats.loads += 1
-        if load is None:
-            self.stats.measuring += 1
-        if compute is not None:
-            self.stats.saved_compute_seconds += compute
-        return n_blocks, load
-
-    def _pays(self, n_blocks: int, backlog: int) -> tuple[bool, float | None, float | None]:
         compute = self.predicted_compute_s(n_blocks)
         load = self.predicted_load_s(n_blocks, backlog)
-        stale = time.monotonic() - self.loads.last_sample > self.remeasure_s
-        if load is None or compute is None or stale:
-            return True, load, compute  # nothing to compare (yet): load, and measure
-        return load < compute, load, compute
+        if load is None or compute is None:  # nothing to compare yet: load, and measure
+            self.stats.loads += 1
+            self.stats.measuring += 1
+            return n_blocks, load
+        if load < compute:
+            self.stats.loads += 1
+            self.stats.saved_compute_seconds += compute
+            return n_blocks, load
+        self.stats.recomputes += 1
+        return 0, None
+
+    def wants_probe(self) -> bool:
+        """True (once per ``remeasure_s``) when the load figures are stale: the caller reads a
+        few blocks in the background, into scratch memory, to refresh them (nobody waits)."""
+        now = time.monotonic()
+        if not self._stale() or now - self._probed < self.remeasure_s:
+            return False
+        self._probed = now
+        self.stats.probes += 1
+        return True
+
+    def _stale(self) -> bool:
+        return time.monotonic() - self.loads.last_sample > self.remeasure_s
 
     def observe_load(self, n_blocks: int, seconds: float) -> None:
         """The load thread moved ``n_blocks`` in ``seconds`` (feeds the cost model)."""

@@ -95,10 +95,12 @@ class Prefetcher:
     def __init__(self, exists: Callable[[list[bytes]], list[bool]],
                  load: Callable[[list[BlockRef], list[int]], int], view: PoolView,
                  max_loads: int = 8, lookup_wait: float = 0.5,
-                 on_loaded: Callable[[int, float], None] | None = None) -> None:  # fmt: skip
+                 on_loaded: Callable[[int, float], None] | None = None,
+                 probe: Callable[[list[bytes]], int] | None = None) -> None:  # fmt: skip
         self._exists = exists
         self._load = load
         self._on_loaded = on_loaded  # (blocks asked, seconds) of each load that ran
+        self._probe = probe  # reads blocks (by hash) into scratch memory: how many it read
         self.view = view
         self.max_loads = max_loads
         self.lookup_wait = lookup_wait  # past this, a request goes on with what is known
@@ -143,6 +145,11 @@ class Prefetcher:
             self._jobs[request_id] = job
         self._asked.pop(request_id, None)
         self._loads.put(job)
+
+    def probe(self, hashes: list[bytes]) -> None:
+        """Read these blocks in the background, only to measure (see ``FetchPolicy``)."""
+        if self._probe is not None:
+            self._loads.put(list(hashes))
 
     def request_finished(self, request_id: str) -> None:
         self._asked.pop(request_id, None)
@@ -192,6 +199,9 @@ class Prefetcher:
             job = self._loads.get()
             if job is None:
                 return
+            if isinstance(job, list):  # a probe
+                self._run_probe(job)
+                continue
             n = 0
             if job.cancelled:
                 self.cancelled += 1
@@ -213,6 +223,16 @@ class Prefetcher:
                 self._jobs.pop(job.request_id, None)
                 self._finished[job.request_id] = n
             self._event.set()
+
+    def _run_probe(self, hashes: list[bytes]) -> None:
+        t0 = time.perf_counter()
+        try:
+            n = self._probe(hashes)  # type: ignore[misc]
+        except Exception:
+            logger.debug("KV probe failed", exc_info=True)
+            return
+        if n == len(hashes) and self._on_loaded is not None:
+            self._on_loaded(n, time.perf_counter() - t0)
 
     def close(self) -> None:
         self._lookups.put(None)

@@ -30,7 +30,7 @@ import torch
 from kvpool.common.errors import AlreadyExistsError, KVPoolError
 from kvpool.common.hashing import leading_true
 from kvpool.engine.connectors.base import BlockRef, KVConnector
-from kvpool.engine.connectors.fetch_policy import FetchPolicy, FetchStats
+from kvpool.engine.connectors.fetch_policy import PROBE_BLOCKS, FetchPolicy, FetchStats
 from kvpool.engine.connectors.prefetch import PoolView, Prefetcher
 from kvpool.engine.request import Request
 from kvpool.protocol.kv_object import block_key, header_size, header_tokens, pack_header
@@ -99,7 +99,7 @@ class StoreConnector(KVConnector):
         if self.async_load:
             on_loaded = self.policy.observe_load if self.policy is not None else None
             self._prefetch = Prefetcher(self._exists, self._load_now, self.view, self._max_loads,
-                                        on_loaded=on_loaded)  # fmt: skip
+                                        on_loaded=on_loaded, probe=self._probe)  # fmt: skip
         if self._save_enabled:
             self._thread = threading.Thread(target=self._save_loop, name="kvpool-kv-save",
                                             daemon=True)  # fmt: skip
@@ -149,8 +149,9 @@ class StoreConnector(KVConnector):
         if n and self.policy is not None:
             if rid not in self._decided:
                 self._decided[rid] = self.policy.decide(n, backlog)
-            if not self._decided[rid][0]:
-                return 0, False
+                if not self._decided[rid][0] and self.policy.wants_probe():
+                    self._prefetch.probe(hashes[: min(n, PROBE_BLOCKS)])
+            n = min(n, self._decided[rid][0])
         return n * bs, n > 0
 
     def update_state_after_alloc(
@@ -237,6 +238,12 @@ class StoreConnector(KVConnector):
         self.stats.loaded_bytes += n * self.block_bytes
         self.stats.load_seconds += time.perf_counter() - t0
         return n
+
+    def _probe(self, hashes: list[bytes]) -> int:
+        """Read blocks into scratch memory (to measure the pool); how many read whole."""
+        scratch = np.empty((len(hashes), self._head_len + self.block_bytes), dtype=np.uint8)
+        sizes = self.client.batch_get_into([block_key(h) for h in hashes], list(scratch))
+        return sum(1 for size in sizes if size == scratch.shape[1])
 
     def _header(self, ref: BlockRef) -> bytes:
         return pack_header(ref.token_ids, self.block_size, self.block_bytes)

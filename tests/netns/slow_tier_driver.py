@@ -1,0 +1,108 @@
+"""Runs inside the decode host of ``test_slow_tier.py``: one engine process, the real model,
+the pool across a throttled link. For a short and a long prefix that the pool holds, the
+time to first token three ways: recomputed (no connector), always loaded
+(``fetch_policy=False``) and decided (the default policy), each while a decode stream runs;
+prints one JSON line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from kvpool import SamplingParams
+from kvpool.config import EngineConfig, TransferConfig
+from kvpool.engine.connectors.store import StoreConnector
+from kvpool.engine.llm_engine import LLMEngine
+from kvpool.model.loader import load_model
+from kvpool.store import StoreClient
+
+
+def engine(model, master: str | None, policy: bool) -> LLMEngine:
+    conn = None
+    if master:
+        client = StoreClient(master, TransferConfig(host=ARGS.host, transport="tcp"))
+        conn = StoreConnector(client, fetch_policy=policy)
+    cfg = EngineConfig(kv_cache_memory_bytes="512MiB", num_threads=1, max_num_batched_tokens=2048)
+    return LLMEngine(cfg, model, conn)
+
+
+def finish(eng: LLMEngine) -> None:
+    while eng.has_work():
+        eng.step()
+
+
+def ttft(eng: LLMEngine, prompt: list[int], rng: random.Random) -> float:
+    """Seconds to the first token of ``prompt`` while a decode stream runs (cache emptied)."""
+    finish(eng)
+    eng.reset_prefix_cache()
+    stream = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
+    eng.add_request("stream", [rng.randrange(1000, 20000) for _ in range(16)], stream)
+    for _ in range(3):
+        eng.step()
+    rid = f"q{rng.random()}"
+    t0 = time.perf_counter()
+    eng.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=1))
+    while rid in eng.requests:
+        eng.step()
+    took = time.perf_counter() - t0
+    eng.abort_request("stream")
+    finish(eng)
+    return took
+
+
+def main() -> None:
+    rng = random.Random(5)
+    model = load_model(None, torch.float32)
+    lengths = {"short": 33, "long": 1025}  # 2 and 64 full blocks, then one token to compute
+    prompts = {k: [rng.randrange(1000, 20000) for _ in range(n)] for k, n in lengths.items()}
+    warm = engine(model, ARGS.master, policy=False)
+    for p in [*prompts.values(), *[[rng.randrange(1000, 20000) for _ in range(n)]
+                                   for n in (129, 513, 1025)]]:  # fmt: skip
+        warm.add_request(f"w{rng.random()}", p, SamplingParams(max_tokens=1))
+        finish(warm)
+    assert warm.connector.wait_saved(list(warm.pool.cached_hashes()), 120)
+    fit_prompts = [[rng.randrange(1000, 20000) for _ in range(n)] for n in (65, 257, 769)]
+    modes = {"recompute": engine(model, None, False), "load": engine(model, ARGS.master, False),
+             "auto": engine(model, ARGS.master, True)}  # fmt: skip
+    for eng in modes.values():  # the step-cost model fits its prefills; "auto" measures loads
+        for p in fit_prompts:
+            ttft(eng, p, rng)
+    out: dict = {"ttft": {}, "decisions": {}}
+
+    def decisions() -> dict:
+        st = modes["auto"].stats()
+        return {"loads": st.kv_fetch_loads, "recomputes": st.kv_fetch_recomputes,
+                "skipped": st.kv_fetch_skipped,
+                "probes": modes["auto"].connector.policy.stats.probes}  # fmt: skip
+
+    for kind, prompt in prompts.items():
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        before = decisions()
+        for _ in range(ARGS.repeats):
+            for mode, eng in modes.items():
+                times[mode].append(ttft(eng, prompt, rng))
+        out["ttft"][kind] = {m: statistics.median(t) for m, t in times.items()}
+        out["decisions"][kind] = {k: v - before[k] for k, v in decisions().items()}
+    auto = modes["auto"]
+    pol = auto.connector.policy
+    out["model"] = {"prefill_token_s": auto._cost_fit.prefill_token_s,
+                    "load_2_blocks_s": pol.loads.predict(2 * pol.block_bytes),
+                    "load_64_blocks_s": pol.loads.predict(64 * pol.block_bytes),
+                    "samples": len(pol.loads._samples)}  # fmt: skip
+    f = pol.stats
+    out["predicted_s"], out["realized_s"] = f.predicted_load_seconds, f.realized_load_seconds
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--master", required=True)
+    ap.add_argument("--host", required=True)
+    ap.add_argument("--repeats", type=int, default=5)
+    ARGS = ap.parse_args()
+    main()
