@@ -141,3 +141,26 @@ def test_step_model_is_not_fooled_by_noise_over_one_prompt_length():
     assert fit.prefill_token_s > 0
     assert fit.prefill_base_s < 0.1
     assert fit.prefill_s(266) == pytest.approx(mean_s, rel=0.1)
+
+
+def test_snapshots_are_copies_the_poller_never_changes():
+    from kvpool.conductor.cluster import ClusterState, _Worker
+    from kvpool.conductor.cluster_state import WorkerLoad, WorkerView
+
+    cs = ClusterState([])
+    w = _Worker(rpc=None)
+    w.cached = frozenset({b"a"})
+    w.view = WorkerView("w1", "decode", "h:1", "h:2", WorkerLoad(running=1), cached=w.cached)
+    cs._workers["h:2"] = w
+    w.last_ok = time.monotonic()
+    snap = cs.snapshot()
+    view = snap.workers[0]
+    # what the poller does with the next status: new load, new cached set, an event applied
+    w.inflight = 7
+    w.view.load.running = 5
+    w.cached = frozenset({b"a", b"b"})
+    assert view.load.running == 1 and view.load.inflight == 0 and view.cached == {b"a"}
+    view.load.running = 99  # a policy scribbling on its copy changes nothing live
+    assert w.view.load.running == 5
+    later = cs.snapshot().workers[0]
+    assert later.load.inflight == 7 and later is not view

@@ -6,6 +6,7 @@ opens; tests/serving/test_store_connector.py runs the same path on the real pool
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -113,11 +114,18 @@ def test_other_requests_decode_while_a_prefix_loads(warm_store, tiny_engine_fact
     step_until(eng, lambda: conn.started)
     req = eng.requests["loads"]
     assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    status = eng.status  # what the engine published after that step (the control RPC reads it)
+    assert (status.running, status.waiting, status.loading) == (1, 1, 1)
+    assert status.queued_prefill_tokens == 41 - 0  # the loading prompt, nothing computed yet
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        status.running = 5
     other = eng.requests["other"]
     before = len(other.output_token_ids)
     for _ in range(5):
         eng.step()  # the gate is shut: only "other" can advance
     assert len(other.output_token_ids) == before + 5
+    assert eng.status is not status and eng.status.step == status.step + 5
+    assert status.running == 1  # a published status never changes
     assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS and not req.output_token_ids
     conn.gate.set()
     outs = step_until(eng, lambda: not eng.has_unfinished_requests())

@@ -90,7 +90,7 @@ def main() -> None:
         out["decisions"][kind] = {k: v - before[k] for k, v in decisions().items()}
     auto = modes["auto"]
     pol = auto.connector.policy
-    out["model"] = {"prefill_token_s": auto._cost_fit.prefill_token_s,
+    out["model"] = {"prefill_token_s": auto.costs.fit.prefill_token_s,
                     "load_2_blocks_s": pol.loads.predict(2 * pol.block_bytes),
                     "load_64_blocks_s": pol.loads.predict(64 * pol.block_bytes),
                     "samples": len(pol.loads._samples)}  # fmt: skip

@@ -4,7 +4,9 @@ Workers come from a static list of control addresses or from etcd (``/kvpool/wor
 poller thread calls each worker's ``status`` every ``poll_interval`` seconds, applies its block
 events to the worker's cached-hash set, and keeps its load and cost model. A worker that has
 not answered for ``dead_after`` seconds is dropped from routing (and forgotten when etcd no
-longer lists it). ``snapshot()`` returns the plain ``ClusterSnapshot`` the policies read.
+longer lists it). ``snapshot()`` returns the plain ``ClusterSnapshot`` the policies read: a
+copy (its worker views and loads are its own; the cached-hash sets are immutable, replaced by
+the poller), so a policy is a pure function of what it was handed.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvpool.common.errors import KVPoolError
 from kvpool.common.hashing import leading_true
@@ -31,7 +33,7 @@ class _Worker:
     view: WorkerView | None = None
     last_ok: float = field(default_factory=time.monotonic)
     event_seq: int = 0
-    cached: set[bytes] = field(default_factory=set)
+    cached: frozenset[bytes] = frozenset()  # replaced, never changed: snapshots share it
     status: dict = field(default_factory=dict)
     inflight: int = 0
     failures: int = 0
@@ -133,10 +135,13 @@ class ClusterState:
             return
         w.failures = 0
         w.last_ok = time.monotonic()
-        if "snapshot" in st:
-            w.cached = {bytes.fromhex(h) for h in st["snapshot"]}
-        for _, kind, h in st.get("events", []):
-            (w.cached.add if kind == "stored" else w.cached.discard)(bytes.fromhex(h))
+        events = st.get("events", [])
+        if "snapshot" in st or events:  # a new set: snapshots already handed out keep theirs
+            cached = {bytes.fromhex(h) for h in st["snapshot"]} if "snapshot" in st \
+                else set(w.cached)  # fmt: skip
+            for _, kind, h in events:
+                (cached.add if kind == "stored" else cached.discard)(bytes.fromhex(h))
+            w.cached = frozenset(cached)
         w.event_seq = int(st.get("event_seq", 0))
         w.status = st
         ld = st["load"]
@@ -182,9 +187,10 @@ class ClusterState:
                     continue
                 if w.view.alive and self._dead(w):
                     w.view.alive = False
-                w.view.load.inflight = w.inflight
-                w.view.load.queued_prefill_tokens = max(w.reported_queue, w.pending_tokens)
-                views.append(w.view)
+                load = replace(w.view.load, inflight=w.inflight,
+                               queued_prefill_tokens=max(w.reported_queue, w.pending_tokens),
+                               remaining_tokens=list(w.view.load.remaining_tokens))  # fmt: skip
+                views.append(replace(w.view, load=load))  # a copy: the poller goes on
         return ClusterSnapshot(views, block_bytes=self.block_bytes, pool_up=self.pool_up)
 
     def worker(self, worker_id: str) -> _Worker | None:

@@ -7,7 +7,6 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kvpool.common.errors import BadRequestError, NotFoundError
@@ -27,10 +26,11 @@ from kvpool.engine.output import OutputProcessor
 from kvpool.engine.request import Request, RequestOutput, RequestStatus
 from kvpool.engine.sampling import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerConfig
-from kvpool.engine.step_model import StepModel
+from kvpool.engine.step_model import StepCosts
 from kvpool.model.kernels import paged_kernels
 from kvpool.model.llama import LlamaModel
 from kvpool.model.loader import LoadedModel, load_model
+from kvpool.protocol.worker import MAX_REMAINING, EngineStatus
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +98,9 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(self.pool, bs, namespace_seed(self.namespace))
         self.connector = connector or NoopConnector()
         self.connector.bind(self.kv_cache, bs, self.namespace)
-        self._cost = StepModel(self.step_times)  # the step-time model, refitted every 32 steps
-        self._cost_fit, self._cost_fit_step = self._cost.fit(), 0
-        self.connector.set_cost_model(self.prefill_cost_s, self.typical_step_s)
+        self.costs = StepCosts(self.step_times, lambda: self.scheduler.stats.steps,
+                               lambda: len(self.scheduler.running))  # fmt: skip
+        self.connector.set_cost_model(self.costs.prefill_s, self.costs.step_s)
         sched = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                 config.kv_load_timeout_s)  # fmt: skip
         self.scheduler = Scheduler(sched, self.kv_manager, self.connector)
@@ -112,6 +112,7 @@ class LLMEngine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.load_stall_seconds = 0.0  # steps with nothing to run while prefixes were loading
+        self.status = EngineStatus()  # replaced (never changed) by the engine thread: publish()
         logger.info(
             "engine ready in %.1fs: %s, %s, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
             time.perf_counter() - t0,
@@ -157,6 +158,7 @@ class LLMEngine:
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.prompt_tokens += len(ids)
+        self.publish()
         return req
 
     def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
@@ -171,6 +173,7 @@ class LLMEngine:
         self.scheduler.finish(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = req.finish_reason or "abort"
+        self.publish()
         return self.output.make_output(req)
 
     def has_unfinished_requests(self) -> bool:
@@ -183,7 +186,29 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass, sample; outputs of requests that produced a token."""
+        """Schedule, run one forward pass, sample; outputs of requests that produced a token.
+        Publishes a fresh ``status`` after it."""
+        try:
+            return self._step()
+        finally:
+            self.publish()
+
+    def publish(self) -> EngineStatus:
+        """A frozen snapshot of the queues (call on the engine thread; readers anywhere)."""
+        sched = self.scheduler
+        waiting, running = list(sched.waiting), sched.running
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in waiting)
+        queued += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in running)
+        queued += sum(ld.req.num_tokens - ld.req.num_computed_tokens
+                      for ld in sched.loading.values())  # fmt: skip
+        remaining = tuple(max(0, (r.params.max_tokens or 256) - len(r.output_token_ids))
+                          for r in running[:MAX_REMAINING])  # fmt: skip
+        self.status = EngineStatus(sched.stats.steps, queued, len(running),
+                                   len(waiting) + len(sched.loading), len(sched.loading),
+                                   self.pool.usage(), remaining)  # fmt: skip
+        return self.status
+
+    def _step(self) -> list[RequestOutput]:
         self._release_saved()
         sched = self.scheduler.schedule()
         if not sched.chunks:
@@ -241,31 +266,6 @@ class LLMEngine:
                 if not self._saving[block_id]:
                     del self._saving[block_id]
                 self.pool.free([self.pool.blocks[block_id]])
-
-    # -- cost predictions (for the connector's load-or-recompute decisions) -----------------
-
-    def prefill_cost_s(self, num_tokens: int) -> float:
-        """Predicted seconds to compute ``num_tokens`` more prompt tokens, beyond the step's
-        fixed cost (paid anyway). From recent steps that prefilled about as many tokens (half
-        to twice: a prompt's per-token cost grows with its length), else the step-cost
-        model's per-token slope."""
-        steps = self.scheduler.stats.steps
-        if steps - self._cost_fit_step >= 32:
-            self._cost_fit, self._cost_fit_step = self._cost.fit(), steps
-        fit = self._cost_fit
-        if num_tokens <= 0:
-            return 0.0
-        alike = [(t - fit.decode_step_s(d)) / p for p, d, t in list(self.step_times)[-128:]
-                 if num_tokens / 2 <= p <= 2 * num_tokens]  # fmt: skip
-        if len(alike) >= 2:
-            return max(float(np.median(alike)), 0.0) * num_tokens
-        return fit.prefill_token_s * num_tokens
-
-    def typical_step_s(self) -> float:
-        """Predicted seconds of the step the engine runs now (its running batch decoding; 0
-        when nothing runs: then a finished load is picked up at once)."""
-        running = len(self.scheduler.running)
-        return self._cost_fit.decode_step_s(running) if running else 0.0
 
     # -- introspection ----------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ over the recent ones gives ``seconds ~ base + per_token * prefill_tokens + per_s
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -66,3 +67,40 @@ def _line(x: np.ndarray, y: np.ndarray, prior_slope: float) -> tuple[float, floa
         return float(np.mean(y - prior_slope * x)), prior_slope
     b, a = np.polyfit(x, y, 1)
     return float(a), float(b)
+
+
+class StepCosts:
+    """An engine's predictions for its connector's load-or-recompute decisions, from its own
+    measured steps (``samples``); ``steps()`` and ``running()`` read the scheduler."""
+
+    REFIT_STEPS = 32
+
+    def __init__(self, samples: deque[tuple[int, int, float]], steps: Callable[[], int],
+                 running: Callable[[], int]) -> None:  # fmt: skip
+        self.samples = samples
+        self.model = StepModel(samples)
+        self.fit, self._fit_step = self.model.fit(), 0
+        self._steps, self._running = steps, running
+
+    def prefill_s(self, num_tokens: int) -> float:
+        """Predicted seconds to compute ``num_tokens`` more prompt tokens, beyond the step's
+        fixed cost (paid anyway). From recent steps that prefilled about as many tokens (half
+        to twice: a prompt's per-token cost grows with its length), else the fitted per-token
+        slope."""
+        steps = self._steps()
+        if steps - self._fit_step >= self.REFIT_STEPS:
+            self.fit, self._fit_step = self.model.fit(), steps
+        if num_tokens <= 0:
+            return 0.0
+        fit = self.fit
+        alike = [(t - fit.decode_step_s(d)) / p for p, d, t in list(self.samples)[-128:]
+                 if num_tokens / 2 <= p <= 2 * num_tokens]  # fmt: skip
+        if len(alike) >= 2:
+            return max(float(np.median(alike)), 0.0) * num_tokens
+        return fit.prefill_token_s * num_tokens
+
+    def step_s(self) -> float:
+        """Predicted seconds of the step the engine runs now (its running batch decoding; 0
+        when nothing runs: then a finished load is picked up at once)."""
+        running = self._running()
+        return self.fit.decode_step_s(running) if running else 0.0

@@ -35,3 +35,26 @@ class CostModel:
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
         return cls(**{k: float(d[k]) for k in cls().to_dict() if k in d})
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStatus:
+    """What an engine's queues look like after a step: published by the engine thread (a new
+    object each step, never changed), read by anyone (the worker's control RPC) without
+    touching the live queues."""
+
+    step: int = 0
+    queued_prefill_tokens: int = 0  # prompt tokens admitted or waiting, not yet computed
+    running: int = 0
+    waiting: int = 0  # including requests whose prefix is loading
+    loading: int = 0  # of which waiting for their prefix from the pool
+    kv_usage: float = 0.0
+    remaining_tokens: tuple[int, ...] = ()  # per running request (at most MAX_REMAINING)
+
+    def load_dict(self) -> dict:
+        return {"queued_prefill_tokens": self.queued_prefill_tokens, "running": self.running,
+                "waiting": self.waiting, "loading": self.loading, "kv_usage": self.kv_usage,
+                "remaining_tokens": list(self.remaining_tokens)}  # fmt: skip
+
+
+MAX_REMAINING = 256

@@ -23,7 +23,6 @@ from kvpool.engine.sampling import SamplingParams
 from kvpool.engine.step_model import StepModel
 
 logger = logging.getLogger(__name__)
-MAX_REMAINING_ITEMS = 256
 
 
 class WorkerControl:
@@ -66,27 +65,9 @@ class WorkerControl:
         return out
 
     def _load(self) -> dict:
-        sched = self.aeng.engine.scheduler
-        for _ in range(5):  # the engine thread may change the queues while we read them
-            try:
-                waiting, running = list(sched.waiting), list(sched.running)
-                break
-            except RuntimeError:
-                continue
-        else:
-            waiting, running = [], []
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in waiting)
-        queued += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in running)
-        remaining = [
-            max(0, (r.params.max_tokens or 256) - len(r.output_token_ids)) for r in running
-        ][:MAX_REMAINING_ITEMS]
-        return {
-            "queued_prefill_tokens": queued,
-            "running": len(running),
-            "waiting": len(waiting),
-            "kv_usage": self.aeng.engine.pool.usage(),
-            "remaining_tokens": remaining,
-        }
+        """The engine's queues as it published them after its last step (a frozen snapshot:
+        this RPC thread never reads the live queues)."""
+        return self.aeng.engine.status.load_dict()
 
     def _counters(self) -> dict:
         eng = self.aeng.engine
