@@ -35,7 +35,7 @@ from kvpool.common.errors import (
     UnavailableError,
 )
 from kvpool.common.hashing import block_hashes, namespace_seed
-from kvpool.common.rpc import RpcClient
+from kvpool.common.rpc_pool import RpcPool
 from kvpool.conductor.cluster import ClusterState
 from kvpool.conductor.cluster_state import RequestInfo
 from kvpool.conductor.metrics import ConductorMetrics
@@ -77,10 +77,13 @@ class Conductor:
         # rejected in milliseconds instead of queueing behind the prefills it would wait for
         self._prefills = ThreadPoolExecutor(router.slo.max_inflight,
                                             thread_name_prefix="kvpool-prefill-call")  # fmt: skip
+        self._prefill_rpcs: dict[str, RpcPool] = {}  # worker RPC address -> reused connections
 
     async def close(self) -> None:
         await self.http.aclose()
         self._prefills.shutdown(wait=False, cancel_futures=True)
+        for pool in list(self._prefill_rpcs.values()):
+            pool.close()
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -207,10 +210,18 @@ class Conductor:
         finally:
             w.pending_tokens -= tokens
 
+    def _prefill_pool(self, address: str) -> RpcPool:
+        pool = self._prefill_rpcs.get(address)
+        if pool is None:
+            pool = RpcPool(address, token=self.token or "", timeout=self.prefill_timeout)
+            pool = self._prefill_rpcs.setdefault(address, pool)
+        return pool
+
     async def _run_prefill(self, w, rid: str, ids: list[int], t0: float) -> int | None:
+        pool = self._prefill_pool(w.view.rpc)
+
         def call() -> dict:
-            with RpcClient(w.view.rpc, token=self.token or "", timeout=self.prefill_timeout) as c:
-                return c.call("prefill", rid, ids, self.prefill_timeout)
+            return pool.call("prefill", rid, ids, self.prefill_timeout)
 
         try:
             result = await asyncio.get_running_loop().run_in_executor(self._prefills, call)
