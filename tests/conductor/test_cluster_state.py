@@ -25,6 +25,7 @@ class FakeWorker:
         self.calls.append(since)
         out = {"id": self.wid, "role": self.role, "http": "127.0.0.1:1", "rpc": "", "pid": 1,
                "alive": True, "namespace": "ns", "block_size": 16, "block_bytes": 1024,
+               "model": "m", "max_model_len": 2048, "vocab_size": 100,
                "load": {"queued_prefill_tokens": 5, "running": 1, "waiting": 0, "kv_usage": 0.1,
                         "remaining_tokens": [3]},
                "cost": {"prefill_token_s": 0.01}, "counters": {}}  # fmt: skip
@@ -164,3 +165,14 @@ def test_snapshots_are_copies_the_poller_never_changes():
     assert w.view.load.running == 5
     later = cs.snapshot().workers[0]
     assert later.load.inflight == 7 and later is not view
+
+
+def test_a_worker_with_a_malformed_status_is_not_routed_to(worker):
+    fake, srv = worker
+    good = fake.status
+    with RpcServer({"status": lambda since=0: {**good(since), "block_size": "sixteen"}}) as bad:
+        cluster = ClusterState([srv.address, bad.address], poll_interval=60)
+        cluster.poll_once()
+        assert [v.id for v in cluster.snapshot().workers] == ["w1"]  # the other is ignored
+        assert cluster.worker("w1") is not None
+        cluster.close()

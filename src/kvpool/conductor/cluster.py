@@ -22,7 +22,7 @@ from kvpool.common.hashing import leading_true
 from kvpool.common.rpc import RpcClient
 from kvpool.conductor.cluster_state import ClusterSnapshot, WorkerLoad, WorkerView
 from kvpool.protocol.cluster import WORKERS_PREFIX
-from kvpool.protocol.worker import CostModel
+from kvpool.protocol.worker import WorkerStatus
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class _Worker:
     last_ok: float = field(default_factory=time.monotonic)
     event_seq: int = 0
     cached: frozenset[bytes] = frozenset()  # replaced, never changed: snapshots share it
-    status: dict = field(default_factory=dict)
+    status: WorkerStatus | None = None  # its last answer
     inflight: int = 0
     failures: int = 0
     pending_tokens: int = 0  # prompt tokens of the prefills routed here, not yet done
@@ -126,8 +126,8 @@ class ClusterState:
 
     def _poll_worker(self, addr: str, w: _Worker) -> None:
         try:
-            st = w.rpc.call("status", w.event_seq)
-        except KVPoolError as exc:
+            st = WorkerStatus.from_wire(w.rpc.call("status", w.event_seq))
+        except KVPoolError as exc:  # unreachable, or an answer that is not a status
             w.failures += 1
             if w.view is not None and w.view.alive and self._dead(w):
                 logger.warning("worker %s (%s) stopped answering: %s", w.view.id, addr, exc)
@@ -135,31 +135,28 @@ class ClusterState:
             return
         w.failures = 0
         w.last_ok = time.monotonic()
-        events = st.get("events", [])
-        if "snapshot" in st or events:  # a new set: snapshots already handed out keep theirs
-            cached = {bytes.fromhex(h) for h in st["snapshot"]} if "snapshot" in st \
-                else set(w.cached)  # fmt: skip
-            for _, kind, h in events:
-                (cached.add if kind == "stored" else cached.discard)(bytes.fromhex(h))
+        if st.snapshot is not None or st.events:  # a new set: snapshots handed out keep theirs
+            cached = set(st.snapshot) if st.snapshot is not None else set(w.cached)
+            for e in st.events:
+                (cached.add if e.kind == "stored" else cached.discard)(e.block_hash)
             w.cached = frozenset(cached)
-        w.event_seq = int(st.get("event_seq", 0))
+        w.event_seq = st.event_seq
         w.status = st
-        ld = st["load"]
-        w.reported_queue = int(ld["queued_prefill_tokens"])
-        load = WorkerLoad(ld["queued_prefill_tokens"], ld["running"], ld["waiting"],
-                          ld["kv_usage"], list(ld.get("remaining_tokens", [])), w.inflight)  # fmt: skip
-        alive = bool(st.get("alive", True))
+        ld = st.load
+        w.reported_queue = ld.queued_prefill_tokens
+        load = WorkerLoad(ld.queued_prefill_tokens, ld.running, ld.waiting, ld.kv_usage,
+                          list(ld.remaining_tokens), w.inflight)  # fmt: skip
         if w.view is None:
-            logger.info("worker %s joined: %s, http %s", st["id"], st["role"], st["http"])
-        w.view = WorkerView(st["id"], st["role"], st["http"], st["rpc"] or addr, load,
-                            CostModel.from_dict(st.get("cost", {})), w.cached, alive)  # fmt: skip
+            logger.info("worker %s joined: %s, http %s", st.id, st.role, st.http)
+        w.view = WorkerView(st.id, st.role, st.http, st.rpc or addr, load, st.cost, w.cached,
+                            st.alive)  # fmt: skip
         if self.namespace is None:
-            self.namespace, self.block_size = st["namespace"], int(st["block_size"])
-            self.block_bytes = int(st.get("block_bytes", 0))
-            self.max_model_len = st.get("max_model_len")
-            self.vocab_size = st.get("vocab_size")
-        elif st["namespace"] != self.namespace:
-            logger.error("worker %s serves another model/KV format; not routing to it", st["id"])
+            self.namespace, self.block_size = st.namespace, st.block_size
+            self.block_bytes = st.block_bytes
+            self.max_model_len = st.max_model_len
+            self.vocab_size = st.vocab_size
+        elif st.namespace != self.namespace:
+            logger.error("worker %s serves another model/KV format; not routing to it", st.id)
             w.view.alive = False
 
     def _dead(self, w: _Worker) -> bool:
@@ -225,12 +222,12 @@ class ClusterState:
         with self._lock:
             statuses = {w.view.id: w.status for w in self._workers.values() if w.view}
         for v in snap.workers:
-            st = statuses.get(v.id, {})
+            st = statuses.get(v.id)
             workers.append({
                 "id": v.id, "role": v.role, "address": v.address, "rpc": v.rpc,
-                "alive": v.alive, "pid": st.get("pid"), "load": v.load.to_dict(),
+                "alive": v.alive, "pid": st.pid if st else None, "load": v.load.to_dict(),
                 "cost": v.cost.to_dict(),
-                "cached_blocks": len(v.cached), "counters": st.get("counters", {}),
+                "cached_blocks": len(v.cached), "counters": st.counters if st else {},
             })  # fmt: skip
         store = {"up": self.pool_up, **self.pool_stats} if self.store is not None else None
         return {"workers": workers, "store": store, "namespace": self.namespace,

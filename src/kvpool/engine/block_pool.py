@@ -67,9 +67,10 @@ class BlockPool:
         """Events after ``seq``, or None if some were already dropped (take a snapshot)."""
         if seq >= self.event_seq:
             return []
-        if not self.events or self.events[0].seq > seq + 1:
+        events = list(self.events)  # one C-level copy: safe while the engine thread appends
+        if not events or events[0].seq > seq + 1:
             return None
-        return [e for e in self.events if e.seq > seq]
+        return [e for e in events if e.seq > seq]
 
     def cached_hashes(self) -> list[bytes]:
         """Every hash the cache can serve now (the snapshot behind the events)."""

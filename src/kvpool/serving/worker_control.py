@@ -21,6 +21,7 @@ from kvpool.common.rpc import rpc_method
 from kvpool.engine.async_engine import AsyncLLMEngine
 from kvpool.engine.sampling import SamplingParams
 from kvpool.engine.step_model import StepModel
+from kvpool.protocol.worker import KVEvent, WorkerStatus
 
 logger = logging.getLogger(__name__)
 
@@ -43,31 +44,21 @@ class WorkerControl:
     @rpc_method
     def status(self, since: int = 0) -> dict:
         eng = self.aeng.engine
-        out = {
-            **self.info,
-            "alive": self.aeng.is_alive(),
-            "namespace": eng.namespace,
-            "block_size": eng.block_size,
-            "block_bytes": int(eng.kv_cache[0].numel() * eng.kv_cache.element_size()),
-            "max_model_len": eng.max_model_len,
-            "vocab_size": eng.model_config.vocab_size,
-            "load": self._load(),
-            "cost": self.step_model.fit().to_dict(),
-            "counters": self._counters(),
-        }
+        seq = eng.pool.event_seq  # first: the events read next cover at least up to here
         events = eng.pool.events_since(int(since))
+        snapshot = None
         if events is None or since <= 0:
-            out["snapshot"] = [h.hex() for h in eng.pool.cached_hashes()]
-            out["events"] = []
-        else:
-            out["events"] = [[e.seq, e.kind, e.block_hash.hex()] for e in events]
-        out["event_seq"] = eng.pool.event_seq
-        return out
-
-    def _load(self) -> dict:
-        """The engine's queues as it published them after its last step (a frozen snapshot:
-        this RPC thread never reads the live queues)."""
-        return self.aeng.engine.status.load_dict()
+            snapshot, events = tuple(eng.pool.cached_hashes()), []
+        return WorkerStatus(
+            **{k: self.info[k] for k in ("id", "role", "http", "rpc", "model", "pid")},
+            alive=self.aeng.is_alive(), namespace=eng.namespace, block_size=eng.block_size,
+            block_bytes=int(eng.kv_cache[0].numel() * eng.kv_cache.element_size()),
+            max_model_len=eng.max_model_len, vocab_size=eng.model_config.vocab_size,
+            load=eng.status, cost=self.step_model.fit(), counters=self._counters(),
+            event_seq=max(seq, events[-1].seq if events else 0),
+            events=tuple(KVEvent(e.seq, e.kind, e.block_hash) for e in events),
+            snapshot=snapshot,
+        ).to_wire()  # fmt: skip
 
     def _counters(self) -> dict:
         eng = self.aeng.engine
