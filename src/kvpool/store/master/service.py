@@ -21,7 +21,6 @@ from kvpool.common.errors import (
     UnavailableError,
 )
 from kvpool.common.rpc import (
-    RpcClient,
     RpcServer,
     current_call,
     error_body,
@@ -30,6 +29,7 @@ from kvpool.common.rpc import (
 )
 from kvpool.config import MAX_REPLICAS, MasterConfig
 from kvpool.store.master.commits import Commits
+from kvpool.store.master.movers import NodeMovers
 from kvpool.store.master.nudge import Nudger
 from kvpool.store.master.objects import PutOptions, Replica, Tier
 from kvpool.store.master.tracked import TrackedState
@@ -107,11 +107,11 @@ class MasterService:
         # and reported, a miss may only mean "not reported yet", so answer "retry" instead.
         self._rebuild_until = time.monotonic() + rebuild_grace
         self._node_addresses: dict[str, str] = {}
-        self._node_clients: dict[str, RpcClient] = {}
         self._token, self._admin_token = token, admin_token  # None: from the environment
         self.directory = DirectoryService()  # the pool's segment directory (rpc://<address>)
-        self.state.mover = self._move
         self.lock = threading.Lock()
+        self.movers = NodeMovers(self._node_addresses, token, self.lock)
+        self.state.mover, self.state.mover_async = self.movers.now, self.movers.later
         self.commits = Commits(self.state, self.lock, commit_wait)
         self.nudger = Nudger(self._node_addresses.get, token, self.commits.take,
                              self.commits.acked, min_gap=0.0 if commit_wait > 0 else 0.005)  # fmt: skip
@@ -124,8 +124,7 @@ class MasterService:
         self._stop.set()
         self._ticker.join(timeout=5)
         self.nudger.close()
-        for client in self._node_clients.values():
-            client.close()
+        self.movers.close()
 
     def _tick_loop(self) -> None:
         while not self._stop.wait(0.5):
@@ -164,21 +163,6 @@ class MasterService:
             if objects:
                 self._adopt(node_id, objects)
         return True
-
-    def _move(self, src: Replica, dst: Replica, size: int) -> bool:
-        """The node copies between its tiers (called with the lock held; a few ms at most)."""
-        address = self._node_addresses.get(src.node_id)
-        if address is None or src.node_id != dst.node_id:
-            return False
-        client = self._node_clients.get(address)
-        if client is None:
-            client = self._node_clients[address] = RpcClient(address, self._token, timeout=10)
-        try:
-            return bool(client.call("copy", src.segment, src.offset, dst.segment, dst.offset,
-                                    size))  # fmt: skip
-        except KVPoolError as exc:
-            logger.warning("master: moving %d bytes on %s failed: %s", size, src.node_id, exc)
-            return False
 
     @rpc_method
     def unmount(self, node_id: str, incarnation: str | None = None) -> int:

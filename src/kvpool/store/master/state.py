@@ -74,6 +74,11 @@ class MasterState:
         )  # fmt: skip
         # copies bytes between two replicas on one node (DRAM <-> SSD); None: no tiering
         self.mover: Callable[[Replica, Replica, int], bool] | None = None
+        # a copy started now and finished later: ``done(ok)`` is called with the state's lock
+        # held (promotions use it when set, so a get never waits for a node)
+        self.mover_async: Callable[[Replica, Replica, int, Callable[[bool], None]], None] | None \
+            = None  # fmt: skip
+        self.moving: dict[str, Replica] = {}  # key -> the DRAM range of its promotion in flight
         self.pending_bytes: dict[str, int] = defaultdict(int)  # by client: unfinished puts
         self.upserts: dict[str, ObjectMeta] = {}  # new versions of existing keys, in progress
         self.retired: list[tuple[Replica, float]] = []  # old versions' replicas, freed after

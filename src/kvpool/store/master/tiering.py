@@ -5,12 +5,15 @@ making room there by dropping its coldest SSD objects) instead of being dropped;
 object that lives only on SSD promotes it back to DRAM on the same node when there is room.
 A moved object cools down for ``config.cooldown`` seconds: it is neither evicted nor promoted
 again before then, so a hot-cold-hot pattern cannot make it bounce. The copy itself is the
-``mover`` callback (the node's RPC); if it fails, the object simply stays where it was
-(promotion) or is dropped (offload).
+node's RPC: promotions go through ``mover_async`` (started under the master's lock, applied
+by ``_promoted`` when the copy ends, so no get waits for a node), offloads through the
+synchronous ``mover`` (an eviction needs the space now); if a copy fails, the object simply
+stays where it was (promotion) or is dropped (offload).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from kvpool.store.master.objects import ObjectMeta, ObjectState, Replica, Tier
@@ -50,10 +53,14 @@ def offload(state: StateView, meta: ObjectMeta, now: float) -> bool:
 
 
 def promote(state: StateView, meta: ObjectMeta, now: float) -> None:
-    """Bring an SSD-only object back to DRAM (same node) if nothing stands in the way."""
-    if state.mover is None or meta.replicas_on(Tier.DRAM) or meta.cooldown_until > now:
+    """Bring an SSD-only object back to DRAM (same node) if nothing stands in the way. With
+    ``state.mover_async`` the copy only starts here and ``_promoted`` applies it when it is
+    done: the get that triggered it is served from SSD meanwhile."""
+    if state.mover is None and state.mover_async is None:
         return
-    if meta.leased(now):  # another reader may be reading the SSD copy right now
+    if meta.replicas_on(Tier.DRAM) or meta.cooldown_until > now or meta.key in state.moving:
+        return
+    if state.mover_async is None and meta.leased(now):  # a reader may be on the SSD copy
         return
     for src in meta.replicas_on(Tier.SSD):
         dram = segment_of(state, src.node_id, Tier.DRAM)
@@ -61,15 +68,41 @@ def promote(state: StateView, meta: ObjectMeta, now: float) -> None:
         if offset is None:
             continue
         dst = Replica(src.node_id, dram.name, offset, Tier.DRAM)
+        meta.cooldown_until = now + state.config.cooldown
+        if state.mover_async is not None:
+            state.moving[meta.key] = dst
+            state.mover_async(src, dst, meta.size, functools.partial(_promoted, state, meta, src,
+                                                                     dst))  # fmt: skip
+            return
+        assert state.mover is not None
         if not state.mover(src, dst, meta.size):
             dram.allocator.free(offset)
+            meta.cooldown_until = 0.0
             continue
-        meta.replicas = [dst if r is src else r for r in meta.replicas]
-        state.free_replica(src)
-        state.on_move(meta, src, dst)
-        meta.cooldown_until = now + state.config.cooldown
-        state.counters["promotions"] += 1
+        _swap(state, meta, src, dst, now)
         return
+
+
+def _promoted(state: StateView, meta: ObjectMeta, src: Replica, dst: Replica, ok: bool) -> None:
+    """A promotion's copy ended (the state's lock is held): swap the replicas if the object is
+    still the one copied, else give the DRAM range back."""
+    state.moving.pop(meta.key, None)
+    current = state.objects.get(meta.key)
+    if ok and current is meta and meta.state is ObjectState.COMPLETE and src in meta.replicas \
+            and dst.segment in state.segments:  # fmt: skip
+        _swap(state, meta, src, dst, state.clock())
+    elif dst.segment in state.segments:
+        state.segments[dst.segment].allocator.free(dst.offset)
+
+
+def _swap(state: StateView, meta: ObjectMeta, src: Replica, dst: Replica, now: float) -> None:
+    meta.replicas = [dst if r is src else r for r in meta.replicas]
+    if meta.leased(now):  # a reader may still be on the SSD copy: free it when its lease ends
+        state.retired.append((src, meta.lease_until))
+    else:
+        state.free_replica(src)
+    state.on_move(meta, src, dst)
+    state.counters["promotions"] += 1
 
 
 def _ssd_space(state: StateView, node_id: str, size: int, exclude: str) -> Replica | None:

@@ -35,6 +35,9 @@ class StateView(Protocol):
     counters: dict[str, int]
     pending_bytes: dict[str, int]
     mover: Callable[[Replica, Replica, int], bool] | None
+    mover_async: Callable[[Replica, Replica, int, Callable[[bool], None]], None] | None
+    moving: dict[str, Replica]
+    retired: list[tuple[Replica, float]]
 
     def settle(self, meta: ObjectMeta) -> None: ...
     def retire(self, meta: ObjectMeta, now: float) -> None: ...
