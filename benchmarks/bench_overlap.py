@@ -35,18 +35,16 @@ while the streams decode; of the time saves ran, the share nobody waited for (1 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import CACHE, Results, log  # noqa: E402
+from common import CACHE, KvpoolProcs, Results, log  # noqa: E402
 
 MODES = ("local", "async", "sync", "streams")
 
@@ -55,37 +53,18 @@ class Pool:
     """A master and one storage node as ``kvpool`` processes (the master is the directory)."""
 
     def __init__(self, memory: str) -> None:
-        (CACHE / "overlap-logs").mkdir(parents=True, exist_ok=True)
-        self.procs: list[subprocess.Popen] = []
-        env = {**os.environ, "KVPOOL_AUTH_TOKEN": ""}
-        self.env = env
+        self.procs = KvpoolProcs(CACHE / "overlap-logs", {**os.environ, "KVPOOL_AUTH_TOKEN": ""})
         try:
-            self.master = self._start("master", "store", "master", "--port", "0")["address"]
-            self.master = self.master.replace("tcp://", "")
-            self._start("node", "store", "node", "--master", self.master, "--memory", memory,
-                        "--node-id", "overlap-node")  # fmt: skip
+            master = self.procs.start("master", "store", "master", "--port", "0")
+            self.master = master["address"].replace("tcp://", "")
+            self.procs.start("node", "store", "node", "--master", self.master, "--memory",
+                             memory, "--node-id", "overlap-node")  # fmt: skip
         except BaseException:
             self.close()
             raise
 
-    def _start(self, name: str, *argv: str) -> dict:
-        err = (CACHE / "overlap-logs" / f"{name}.log").open("w")
-        cmd = [sys.executable, "-m", "kvpool.cli", *argv, "--log-level", "warning"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=self.env)
-        self.procs.append(proc)
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"kvpool {name} did not start; see {err.name}")
-        return json.loads(line)
-
     def close(self) -> None:
-        for proc in reversed(self.procs):
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        self.procs.clear()
+        self.procs.close()
 
 
 def make_engine(model, args, pool: Pool, async_load: bool):

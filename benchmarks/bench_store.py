@@ -61,7 +61,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "peers"))
-from common import CACHE, Results, log  # noqa: E402  (stdlib only: drivers of any venv import us)
+from common import CACHE, KvpoolProcs, Results, log  # noqa: E402  (stdlib only: drivers of any venv import us)
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZES = {"4KiB": 4 * KiB, "64KiB": 64 * KiB, "1MiB": MiB, "8MiB": 8 * MiB}
@@ -330,10 +330,9 @@ class KvpoolPool:
     def __init__(self, token: str | None = None) -> None:
         from kvpool.transfer.metadata_server import MetadataServer
 
-        LOGS.mkdir(parents=True, exist_ok=True)
-        self.procs: list[subprocess.Popen] = []
         self.token, self.env = token, pool_env(token)
         self.tag = "mac-" if token else ""
+        self.procs = KvpoolProcs(LOGS, self.env)
         self.meta = MetadataServer(token=token or "")
         self.directory = self.meta.url
         try:
@@ -350,14 +349,7 @@ class KvpoolPool:
             raise
 
     def _start(self, name: str, *argv: str) -> dict:
-        err = (LOGS / f"kvpool-{self.tag}{name}.log").open("w")
-        cmd = [sys.executable, "-m", "kvpool.cli", *argv, "--log-level", "warning"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=self.env)
-        self.procs.append(proc)
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"kvpool {name} did not start; see {err.name}")
-        return json.loads(line)
+        return self.procs.start(f"kvpool-{self.tag}{name}", *argv)
 
     def _warm(self) -> None:
         from kvpool.config import TransferConfig
@@ -379,14 +371,7 @@ class KvpoolPool:
         return [sys.executable, str(Path(__file__).resolve()), "--driver", json.dumps(cfg)]
 
     def close(self) -> None:
-        for proc in reversed(self.procs):
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self.procs.clear()
+        self.procs.close()
         self.meta.close()
 
 

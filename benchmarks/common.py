@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -60,3 +61,33 @@ class Results:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(json.dumps(doc, indent=2) + "\n")
             log(f"wrote {path}")
+
+
+class KvpoolProcs:
+    """``kvpool`` subcommands started as processes, each read up to the JSON line it prints
+    when ready; ``close`` stops them, last first."""
+
+    def __init__(self, logs: Path, env: dict | None = None) -> None:
+        logs.mkdir(parents=True, exist_ok=True)
+        self.logs, self.env = logs, env
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, name: str, *argv: str) -> dict:
+        err = (self.logs / f"{name}.log").open("w")
+        cmd = [sys.executable, "-m", "kvpool.cli", *argv, "--log-level", "warning"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=self.env)
+        self.procs.append(proc)
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"kvpool {name} did not start; see {err.name}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()

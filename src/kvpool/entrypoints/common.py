@@ -26,6 +26,16 @@ def refuse_open_bind(prog: str, host: str, token: str | None) -> bool:
     return True
 
 
+def bad_http_limits(prog: str, args: argparse.Namespace) -> bool:
+    """True (and a message) if the HTTP limit flags are invalid."""
+    try:
+        http_limits(args)
+    except ValueError as exc:
+        print(f"kvpool {prog}: invalid configuration: {exc}", file=sys.stderr)
+        return True
+    return False
+
+
 def sigterm_as_interrupt():
     """Make SIGTERM end like Ctrl-C; returns the previous handler (restore it after)."""
     return signal.signal(signal.SIGTERM, _interrupt)

@@ -88,10 +88,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.worker and not args.etcd:
         print("kvpool conductor: give --worker addresses or --etcd", file=sys.stderr)
         return 2
-    try:
-        common.http_limits(args)
-    except ValueError as exc:
-        print(f"kvpool conductor: invalid configuration: {exc}", file=sys.stderr)
+    if common.bad_http_limits("conductor", args):
         return 2
     from kvpool.common.log import setup_logging
 

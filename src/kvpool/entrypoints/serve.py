@@ -14,6 +14,7 @@ from kvpool.entrypoints.common import (
     DEFAULT_SERVED_NAME,
     add_engine_args,
     add_http_args,
+    bad_http_limits,
     engine_config,
     http_limits,
     refuse_open_bind,
@@ -88,10 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from kvpool.common.log import setup_logging
 
     setup_logging(args.log_level)
-    try:
-        http_limits(args)
-    except ValueError as exc:
-        print(f"kvpool serve: invalid configuration: {exc}", file=sys.stderr)
+    if bad_http_limits("serve", args):
         return 2
     if not args.single:
         return _run_cluster(args, token)

@@ -66,10 +66,7 @@ def run(args: argparse.Namespace) -> int:
     config = common.engine_config(args, "worker")
     if config is None:
         return 2
-    try:
-        common.http_limits(args)
-    except ValueError as exc:
-        print(f"kvpool worker: invalid configuration: {exc}", file=sys.stderr)
+    if common.bad_http_limits("worker", args):
         return 2
     previous = common.sigterm_as_interrupt()
     parts: list = []
