@@ -178,3 +178,43 @@ def test_no_prefix_caching(make_app):
         for _ in range(2):
             usage = c.post("/v1/completions", json=payload).json()["usage"]
             assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_internal_generate_takes_tokens_and_reports_the_given_cached_tokens(client):
+    """The conductor's typed path: token ids in (no tokenization), the prefill's cached
+    tokens out in usage, the same tokens as the public API for the same prompt."""
+    ids = list(range(5, 25))
+    public = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 4,
+                                                   "temperature": 0}).json()  # fmt: skip
+    body = {"request_id": "d1", "kind": "completion", "token_ids": ids,
+            "params": {"max_tokens": 4, "temperature": 0.0}, "cached_tokens": 16}  # fmt: skip
+    r = client.post("/internal/generate", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["choices"][0]["text"] == public["choices"][0]["text"]
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
+    stream = client.post("/internal/generate", json={**body, "stream": True,
+                                                     "include_usage": True, "kind": "chat"})  # fmt: skip
+    assert stream.status_code == 200
+    events = [e for e in sse_events(stream.text.splitlines()) if e != "[DONE]"]
+    assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events
+                   if e.get("choices")) == public["choices"][0]["text"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"not json",
+        b'{"request_id": "x", "kind": "chat", "token_ids": [], "params": {}}',
+        b'{"request_id": "x", "kind": "chat", "token_ids": [1], "params": {"nope": 1}}',
+        b'{"request_id": "x", "kind": "chat", "token_ids": [1], "params": {"top_p": "a"}}',
+        b'{"request_id": "x", "kind": "chat", "token_ids": [99999999], "params": {}}',
+        b'{"request_id": "x", "kind": "chat", "token_ids": [1], "params": {}, "kv_handle": 5}',
+    ],
+)
+def test_internal_generate_rejects_bad_requests_with_400(client, body):
+    r = client.post("/internal/generate", content=body,
+                    headers={"Content-Type": "application/json"})  # fmt: skip
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"]

@@ -1,11 +1,13 @@
 """The conductor's OpenAI-compatible front door.
 
-A request is validated and tokenized here, off the event loop (same tokenizer and chat
+A request is validated and tokenized here, once, off the event loop (same tokenizer and chat
 template as the workers, so block hashes agree); a prompt that can never fit the workers'
 context gets 400 before routing. Its prefix is looked up in the pool, the router picks workers
 (or rejects it with 429), the prefill worker computes and publishes the prompt's KV (control
-RPC), and the decode worker's response -- a stream or one JSON body -- is relayed to the client
-(``relay.py``). If the prefill worker fails, the decode worker computes the prompt itself; a
+RPC) and says where it holds it (a ``KVHandle``), and the decode worker gets a typed
+``DecodeRequest`` (token ids, sampling parameters, the handle, the prefill's cached tokens for
+usage) on ``/internal/generate``; its response -- a stream or one JSON body, already in the
+OpenAI shape -- is relayed to the client (``relay.py``). If the prefill worker fails, the decode worker computes the prompt itself; a
 request the prefill worker refuses as bad (400) is the client's fault and goes back to it, and
 never marks the worker failed. If the decode worker dies mid-stream, the stream ends with an
 error event. Routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
@@ -15,10 +17,12 @@ error event. Routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
 
 import httpx
 from fastapi import FastAPI, Request
@@ -42,6 +46,8 @@ from kvpool.conductor.metrics import ConductorMetrics
 from kvpool.conductor.relay import Flight, Relay, RelayResponse, WorkerFailedError
 from kvpool.conductor.router import Route, Router
 from kvpool.engine.limits import check_context_length, check_prompt_chars, check_token_ids
+from kvpool.engine.sampling import SamplingParams
+from kvpool.protocol.decode import DecodeRequest, KVHandle
 from kvpool.protocol.kv_object import block_key
 from kvpool.serving.app_common import add_model_routes, secure_app
 from kvpool.serving.http_errors import ModelNotFoundError, install_error_handlers
@@ -49,6 +55,19 @@ from kvpool.serving.http_limits import HttpLimits
 from kvpool.serving.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Parsed:
+    """A client's request as the conductor read it (tokenized once, here)."""
+
+    ids: list[int]
+    kind: str  # "chat" | "completion"
+    params: dict  # SamplingParams fields
+    stream: bool
+    include_usage: bool
+    max_tokens: int
+
 
 __all__ = ["Conductor", "WorkerFailedError", "build_conductor_app"]
 
@@ -96,9 +115,10 @@ class Conductor:
 
     # -- one request -----------------------------------------------------------------------
 
-    def tokenize(self, path: str, body: bytes) -> tuple[list[int], bool, int]:
-        """(token ids, stream?, max_tokens) of a completions or chat request body; 400 for
-        anything the workers could never serve (run off the event loop: it may be long)."""
+    def tokenize(self, path: str, body: bytes) -> Parsed:
+        """A completions or chat request body, tokenized (the only time: the decode worker
+        gets the ids); 400 for anything the workers could never serve (run off the event
+        loop: it may be long)."""
         limit, vocab = self.cluster.max_model_len, self.cluster.vocab_size or self.tok.vocab_size
         if path.endswith("/chat/completions"):
             req = parse_request(body, ChatCompletionRequest)
@@ -128,7 +148,10 @@ class Conductor:
             check_context_length(len(ids), params.max_tokens, limit)
         if not ids:
             raise BadRequestError("the prompt is empty", param="prompt")
-        return ids, bool(req.stream), int(params.max_tokens or 16)
+        kind = "chat" if path.endswith("/chat/completions") else "completion"
+        wire = {f.name: getattr(params, f.name) for f in fields(SamplingParams) if f.init}
+        return Parsed(ids, kind, wire, bool(req.stream), bool(req.include_usage),
+                      int(params.max_tokens or 16))  # fmt: skip
 
     def request_info(self, ids: list[int], max_tokens: int) -> RequestInfo:
         c = self.cluster
@@ -142,8 +165,9 @@ class Conductor:
     async def handle(self, request: Request) -> Response:
         t0 = time.perf_counter()
         body = await request.body()
-        ids, stream, max_tokens = await asyncio.to_thread(self.tokenize, request.url.path, body)
-        info = await asyncio.to_thread(self.request_info, ids, max_tokens)
+        parsed = await asyncio.to_thread(self.tokenize, request.url.path, body)
+        ids, stream = parsed.ids, parsed.stream
+        info = await asyncio.to_thread(self.request_info, ids, parsed.max_tokens)
         try:
             route = self.router.route(self.cluster.snapshot(), info, self.inflight)
         except RejectedError as exc:
@@ -157,14 +181,26 @@ class Conductor:
         flight = self._take_flight(route)
         response: Response | None = None
         try:
-            cached = await self._prefill(route, ids) if route.prefill is not None else None
-            url = f"http://{self._http_of(route.decode.worker_id)}{request.url.path}"
+            cached, handle = await self._prefill(route, ids) if route.prefill is not None \
+                else (None, None)  # fmt: skip
+            url = f"http://{self._http_of(route.decode.worker_id)}/internal/generate"
             self.metrics.routed.labels(route.decode.worker_id, "decode").inc()
+            decode = DecodeRequest(
+                f"decode-{uuid.uuid4().hex}",
+                parsed.kind,
+                ids,
+                parsed.params,
+                stream,
+                parsed.include_usage,
+                cached,
+                handle,
+            )
+            body = json.dumps(decode.to_wire()).encode()
             if stream:
                 response = RelayResponse(self.relay.stream(url, body, route.decode.worker_id,
-                                                           t0, cached, flight), flight)  # fmt: skip
+                                                           t0, flight), flight)  # fmt: skip
                 return response
-            return await self.relay.json(request, url, body, route.decode.worker_id, t0, cached,
+            return await self.relay.json(request, url, body, route.decode.worker_id, t0,
                                          flight)  # fmt: skip
         finally:
             if response is None:  # a stream's flight ends with its response, any other here
@@ -191,12 +227,13 @@ class Conductor:
             raise UnavailableError(f"worker {worker_id} is gone")
         return w.view.address
 
-    async def _prefill(self, route: Route, ids: list[int]) -> int | None:
-        """Run the prompt on the prefill worker; the prompt tokens it reused (None: failed)."""
+    async def _prefill(self, route: Route, ids: list[int]) -> tuple[int | None, KVHandle | None]:
+        """Run the prompt on the prefill worker; (the prompt tokens it reused, where its KV
+        is for the decode worker to read), or (None, None) if it failed."""
         assert route.prefill is not None
         w = self.cluster.worker(route.prefill.worker_id)
         if w is None or w.view is None:
-            return None
+            return None, None
         self.metrics.routed.labels(w.view.id, "prefill").inc()
         rid = f"prefill-{uuid.uuid4().hex}"
         t0 = time.perf_counter()
@@ -217,7 +254,8 @@ class Conductor:
             pool = self._prefill_rpcs.setdefault(address, pool)
         return pool
 
-    async def _run_prefill(self, w, rid: str, ids: list[int], t0: float) -> int | None:
+    async def _run_prefill(self, w, rid: str, ids: list[int],
+                           t0: float) -> tuple[int | None, KVHandle | None]:  # fmt: skip
         pool = self._prefill_pool(w.view.rpc)
 
         def call() -> dict:
@@ -226,14 +264,15 @@ class Conductor:
         try:
             result = await asyncio.get_running_loop().run_in_executor(self._prefills, call)
             self.metrics.prefill.observe(time.perf_counter() - t0)
-            return int(result["cached_tokens"])
+            wire = result.get("kv_handle")
+            return int(result["cached_tokens"]), KVHandle.from_wire(wire) if wire else None
         except _CLIENT_FAULTS:
             raise  # the request is bad, not the worker: the client hears why
         except KVPoolError as exc:  # the decode worker will compute the prompt itself
             logger.warning("prefill on %s failed (%s); decode computes it", w.view.id, exc)
             if not isinstance(exc, RejectedError | BackpressureError):  # busy is not broken
                 self.cluster.mark_failed(w.view.id)
-            return None
+            return None, None
 
 
 def build_conductor_app(conductor: Conductor, api_keys: list[str] | tuple = (),

@@ -69,32 +69,6 @@ class RelayResponse(StreamingResponse):
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
-def with_cached_tokens(data: bytes, cached: int) -> bytes:
-    """Report the prefix the prefill worker reused as the request's cached tokens (the decode
-    worker loaded the whole prompt from the pool, but only that part was reused, not computed
-    for this request). ``data`` is a JSON body or SSE lines; anything unparsable is kept."""
-
-    def fix(obj: dict) -> dict:
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            details = usage.get("prompt_tokens_details") or {}
-            details["cached_tokens"] = min(cached, int(usage.get("prompt_tokens", cached)))
-            usage["prompt_tokens_details"] = details
-        return obj
-
-    try:
-        if not data.lstrip().startswith(b"data:"):
-            return json.dumps(fix(json.loads(data))).encode()
-        lines = []
-        for line in data.split(b"\n"):
-            if line.startswith(b"data: {") and b'"usage"' in line:
-                line = b"data: " + json.dumps(fix(json.loads(line[6:]))).encode()
-            lines.append(line)
-        return b"\n".join(lines)
-    except (ValueError, TypeError):
-        return data
-
-
 class Relay:
     """Posts a request to a decode worker and relays its answer (``metrics``: the conductor's,
     ``failed(worker_id)``: called when the worker, not the client, broke the request)."""
@@ -103,7 +77,7 @@ class Relay:
         self.http, self.metrics, self.failed = http, metrics, failed
 
     async def json(self, request: Request, url: str, body: bytes, worker: str, t0: float,
-                   cached: int | None, flight: Flight) -> Response:  # fmt: skip
+                   flight: Flight) -> Response:  # fmt: skip
         post = asyncio.ensure_future(self.http.post(url, content=body, headers=JSON))
         gone = asyncio.ensure_future(wait_disconnect(request))
         try:
@@ -126,11 +100,9 @@ class Relay:
         content = resp.content
         if resp.status_code == 200:
             self.metrics.e2e.observe(time.perf_counter() - t0)
-            if cached is not None:
-                content = with_cached_tokens(content, cached)
         return Response(content, resp.status_code, media_type="application/json")
 
-    async def stream(self, url: str, body: bytes, worker: str, t0: float, cached: int | None,
+    async def stream(self, url: str, body: bytes, worker: str, t0: float,
                      flight: Flight) -> AsyncIterator[bytes]:  # fmt: skip
         first = last = None
         chunks = 0
@@ -153,8 +125,6 @@ class Relay:
                         elif last is not None:
                             self.metrics.itl.observe(now - last)
                         last, chunks = now, chunks + n
-                    if cached is not None and b'"usage"' in part:
-                        part = with_cached_tokens(part, cached)
                     yield part
                 flight.outcome = "ok"
             finally:

@@ -26,6 +26,7 @@ class _Add:
     params: SamplingParams
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    kv_handle: object = None
 
 
 @dataclass(slots=True)
@@ -67,7 +68,11 @@ class AsyncLLMEngine:
         return self.engine.tokenizer
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        kv_handle: object = None,
     ) -> AsyncIterator[RequestOutput]:
         """Validate and queue a request, then yield its outputs until it finishes.
 
@@ -81,7 +86,7 @@ class AsyncLLMEngine:
         self.engine.check_length(len(ids), params)
         sink: asyncio.Queue = asyncio.Queue()
         text = prompt if isinstance(prompt, str) else None
-        self._inbox.put(_Add(rid, ids, text, params, sink, asyncio.get_running_loop()))
+        self._inbox.put(_Add(rid, ids, text, params, sink, asyncio.get_running_loop(), kv_handle))
         finished = False
         try:
             while True:
@@ -132,7 +137,8 @@ class AsyncLLMEngine:
             self._sinks.pop(item.request_id, None)
             return
         try:
-            self.engine.add_request(item.request_id, item.token_ids, item.params)
+            self.engine.add_request(item.request_id, item.token_ids, item.params,
+                                    kv_handle=item.kv_handle)  # fmt: skip
         except Exception as e:
             item.loop.call_soon_threadsafe(item.sink.put_nowait, e)
             return

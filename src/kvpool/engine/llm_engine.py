@@ -144,8 +144,11 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        kv_handle: object = None,
     ) -> Request:
-        """Queue a request; raises BadRequestError if it can never be served."""
+        """Queue a request; raises BadRequestError if it can never be served. ``kv_handle``:
+        where a prefill worker holds the prompt's KV (``protocol.decode.KVHandle``; the
+        connector may read it from there)."""
         if request_id in self.requests:
             raise BadRequestError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
@@ -154,6 +157,7 @@ class LLMEngine:
         req = Request(
             request_id, ids, params, prompt if isinstance(prompt, str) else None, arrival_time
         )
+        req.kv_handle = kv_handle
         self.output.start(req)
         self.requests[request_id] = req
         self.scheduler.add(req)

@@ -69,6 +69,7 @@ class Request:
         "block_ids",
         "finish_reason",
         "generator",
+        "kv_handle",
         "metrics",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -109,6 +110,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.text = ""
         self.metrics = RequestMetrics(arrival_time or time.monotonic())
+        self.kv_handle: object = None  # where another engine holds this prompt's KV (a hint)
 
     @property
     def num_tokens(self) -> int:

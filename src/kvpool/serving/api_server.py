@@ -8,6 +8,7 @@ away aborts its request, which frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -16,10 +17,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvpool.common.errors import BadRequestError, KVPoolError
+from kvpool.common.errors import BadRequestError, KVPoolError, ProtocolError
 from kvpool.engine.async_engine import AsyncLLMEngine
 from kvpool.engine.request import RequestOutput
 from kvpool.engine.sampling import SamplingParams
+from kvpool.protocol.decode import DecodeRequest
 from kvpool.serving.app_common import add_model_routes, secure_app, wait_disconnect
 from kvpool.serving.engine_client import EngineClient
 from kvpool.serving.formats import SSE_DONE, ChatFormat, CompletionFormat, finish_reason, sse
@@ -101,6 +103,20 @@ class OpenAIServer:
         text = eng.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.client.prepare(eng.tokenizer.encode(text, add_special_tokens=False), params)
 
+    async def internal_generate(self, request: Request) -> Response:
+        """A request the conductor tokenized (``protocol.decode.DecodeRequest``): no second
+        tokenization; its KV handle lets the connector read the prefill worker's blocks."""
+        try:
+            req = DecodeRequest.from_wire(json.loads(await request.body()))
+            params = SamplingParams(**req.params)
+        except (ValueError, TypeError, ProtocolError) as exc:
+            raise BadRequestError(f"bad decode request: {exc}") from None
+        self.client.engine.check_length(len(req.token_ids), params)
+        cls = ChatFormat if req.kind == "chat" else CompletionFormat
+        fmt = cls(self.model_name, req.include_usage)
+        return await self._respond(request, req.token_ids, params, fmt, req.stream,
+                                   req.kv_handle, req.cached_tokens)  # fmt: skip
+
     async def _respond(
         self,
         request: Request,
@@ -108,22 +124,30 @@ class OpenAIServer:
         params: SamplingParams,
         fmt: CompletionFormat | ChatFormat,
         stream: bool,
+        kv_handle=None,
+        cached_tokens: int | None = None,
     ) -> Response:
+        """``cached_tokens``: what usage reports as cached (the prefill's reuse, when another
+        worker computed the prompt), instead of this engine's own hits."""
         if stream:
-            body = self._stream(ids, params, fmt)
+            body = self._stream(ids, params, fmt, kv_handle, cached_tokens)
             return _SSEResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
-        out = await self._until_disconnect(request, self._final(ids, params, fmt.id))
+        final = self._final(ids, params, fmt.id, kv_handle, cached_tokens)
+        out = await self._until_disconnect(request, final)
         if out is None:
             return Response(status_code=499)  # nobody is listening any more
         return JSONResponse(fmt.full(out))
 
-    async def _final(self, ids: list[int], params: SamplingParams, rid: str) -> RequestOutput:
+    async def _final(self, ids: list[int], params: SamplingParams, rid: str, kv_handle=None,
+                     cached_tokens: int | None = None) -> RequestOutput:  # fmt: skip
         last = None
-        async for out in self.client.generate(ids, params, rid):
+        async for out in self.client.generate(ids, params, rid, kv_handle):
             last = out
         assert last is not None
         if last.error is not None:
             raise EngineError(last.error)
+        if cached_tokens is not None:
+            last.num_cached_tokens = cached_tokens
         return last
 
     async def _until_disconnect(self, request: Request, work) -> RequestOutput | None:
@@ -143,7 +167,12 @@ class OpenAIServer:
         return task.result()
 
     async def _stream(
-        self, ids: list[int], params: SamplingParams, fmt: CompletionFormat | ChatFormat
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        fmt: CompletionFormat | ChatFormat,
+        kv_handle=None,
+        cached_tokens: int | None = None,
     ) -> AsyncIterator[str]:
         # Text that may still turn out to start a stop string is held back until it cannot.
         hold = max((len(s) for s in params.stop_strings), default=1) - 1
@@ -151,7 +180,9 @@ class OpenAIServer:
         for chunk in fmt.first_chunks():
             yield sse(chunk)
         try:
-            async for out in self.client.generate(ids, params, fmt.id):
+            async for out in self.client.generate(ids, params, fmt.id, kv_handle):
+                if cached_tokens is not None:
+                    out.num_cached_tokens = cached_tokens
                 if out.error is not None:
                     yield sse(error_body(500, out.error, EngineError.error_type))
                     return
@@ -203,6 +234,10 @@ def build_app(aeng: AsyncLLMEngine, model_name: str, api_keys: list[str] | tuple
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await server.chat(request)
+
+    @app.post("/internal/generate")
+    async def internal_generate(request: Request) -> Response:
+        return await server.internal_generate(request)
 
     secure_app(app, list(api_keys), limits)
     return app

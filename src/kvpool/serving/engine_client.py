@@ -49,10 +49,15 @@ class EngineClient:
         return ids
 
     async def generate(
-        self, ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        kv_handle=None,
     ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request. Closing the iterator early aborts the request."""
-        gen = self.aeng.generate(ids, params, request_id or uuid.uuid4().hex)
+        """Cumulative outputs of one request. Closing the iterator early aborts the request.
+        ``kv_handle``: where a prefill worker holds the prompt's KV (a direct read)."""
+        gen = self.aeng.generate(ids, params, request_id or uuid.uuid4().hex, kv_handle)
         pending: asyncio.Future | None = None
         final: RequestOutput | None = None
         try:

@@ -83,6 +83,8 @@ class WorkerControl:
                 pool_save_seconds=c.save_seconds,
                 pool_save_wait_seconds=c.save_wait_seconds,
                 pool_errors=c.pool_errors,
+                direct_read_bytes=c.direct.read_bytes if c.direct is not None else 0,
+                direct_fallbacks=c.direct.fallbacks if c.direct is not None else 0,
                 pool_up=self.connector.pool_up(),
             )
         return out
@@ -111,13 +113,15 @@ class WorkerControl:
         except TimeoutError:
             future.cancel()
             raise KVPoolTimeoutError(f"prefill of {request_id} took over {timeout}s") from None
-        saved = True
+        saved, handle = True, None
         if self.connector is not None and self.connector.saves:
             hashes = block_hashes(token_ids, eng.block_size, eng.kv_manager.hash_seed)
             saved = self.connector.wait_saved(
                 hashes, max(1.0, timeout - (time.perf_counter() - t0))
             )
+            handle = self.connector.kv_handle(hashes)  # the decode side may read them from us
         return {
+            "kv_handle": handle.to_wire() if handle is not None else None,
             "prompt_tokens": len(token_ids),
             "cached_tokens": final.num_cached_tokens,
             "first_token": final.outputs[0].token_ids[:1],

@@ -79,6 +79,7 @@ class _Job:
     request_id: str
     blocks: list[BlockRef]
     block_ids: list[int]
+    source: object = None  # a KVHandle: read from the engine that holds the blocks first
     cancelled: bool = False
     queued: float = field(default_factory=time.monotonic)
 
@@ -93,7 +94,7 @@ class Prefetcher:
     """
 
     def __init__(self, exists: Callable[[list[bytes]], list[bool]],
-                 load: Callable[[list[BlockRef], list[int]], int], view: PoolView,
+                 load: Callable[[list[BlockRef], list[int], object], int], view: PoolView,
                  max_loads: int = 8, lookup_wait: float = 0.5,
                  on_loaded: Callable[[int, float], None] | None = None,
                  probe: Callable[[list[bytes]], int] | None = None) -> None:  # fmt: skip
@@ -139,8 +140,9 @@ class Prefetcher:
             return None
         return n
 
-    def start_load(self, request_id: str, blocks: list[BlockRef], block_ids: list[int]) -> None:
-        job = _Job(request_id, blocks, block_ids)
+    def start_load(self, request_id: str, blocks: list[BlockRef], block_ids: list[int],
+                   source: object = None) -> None:  # fmt: skip
+        job = _Job(request_id, blocks, block_ids, source)
         with self._lock:
             self._jobs[request_id] = job
         self._asked.pop(request_id, None)
@@ -208,7 +210,7 @@ class Prefetcher:
             else:
                 t0 = time.perf_counter()
                 try:
-                    n = self._load(job.blocks, job.block_ids)
+                    n = self._load(job.blocks, job.block_ids, job.source)
                 except Exception:
                     logger.exception("KV load for %s failed; it is recomputed", job.request_id)
                 took = time.perf_counter() - t0

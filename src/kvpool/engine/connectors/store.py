@@ -30,6 +30,7 @@ import torch
 from kvpool.common.errors import AlreadyExistsError, KVPoolError
 from kvpool.common.hashing import leading_true
 from kvpool.engine.connectors.base import BlockRef, KVConnector
+from kvpool.engine.connectors.direct import DirectReads
 from kvpool.engine.connectors.fetch_policy import PROBE_BLOCKS, FetchPolicy, FetchStats
 from kvpool.engine.connectors.prefetch import PoolView, Prefetcher
 from kvpool.engine.request import Request
@@ -60,7 +61,7 @@ class StoreConnector(KVConnector):
 
     def __init__(self, client, retry_after_s: float = 5.0, save: bool = True, *,
                  async_load: bool = True, max_loads: int = 8,
-                 fetch_policy: bool = True) -> None:  # fmt: skip
+                 fetch_policy: bool = True, direct: bool = True) -> None:  # fmt: skip
         self.client = client  # a kvpool.store.StoreClient (thread-safe)
         self.retry_after_s = retry_after_s
         self._save_enabled = save
@@ -72,6 +73,9 @@ class StoreConnector(KVConnector):
         self.policy: FetchPolicy | None = None  # set at bind (it needs the block size)
         self._decided: dict[str, tuple[int, float | None]] = {}  # request -> (load?, predicted)
         self._started: dict[str, tuple[float, float | None]] = {}  # request -> (when, predicted)
+        self._use_direct = direct and async_load
+        self.direct: DirectReads | None = None  # set at bind (it needs the KV tensor)
+        self._direct_jobs: dict[str, object] = {}  # request -> the KV handle it loads from
         self.stats = ConnectorStats()
         self._down_until = 0.0
         self._blocks: np.ndarray | None = None  # [num_blocks, block_bytes] uint8 view
@@ -96,6 +100,10 @@ class StoreConnector(KVConnector):
         self._head_len = header_size(block_size)
         if self._use_policy:
             self.policy = FetchPolicy(self._head_len + self.block_bytes, block_size)
+        engine = getattr(self.client, "engine", None)
+        if self._use_direct and hasattr(engine, "register") and hasattr(self.client, "io"):
+            self.direct = DirectReads(engine, self._blocks, self._object_checksum, self._header)
+            self.direct.publish()
         if self.async_load:
             on_loaded = self.policy.observe_load if self.policy is not None else None
             self._prefetch = Prefetcher(self._exists, self._load_now, self.view, self._max_loads,
@@ -135,6 +143,13 @@ class StoreConnector(KVConnector):
         if not hashes:
             return 0, False
         rid = request.request_id
+        handle = getattr(request, "kv_handle", None)
+        if handle is not None and self.direct is not None:  # the prefill worker holds them
+            n = self.direct.usable(handle, request.block_hashes[:max_blocks],
+                                   num_computed_tokens // bs)  # fmt: skip
+            if n:
+                self._direct_jobs[rid] = handle
+                return n * bs, True
         backlog = self._prefetch.backlog_blocks()
         if self.policy is not None:
             decided = self._decided.get(rid)
@@ -160,9 +175,10 @@ class StoreConnector(KVConnector):
         assert self._prefetch is not None, "asynchronous loads need async_load=True"
         rid = request.request_id
         self._started[rid] = (time.monotonic(), self._decided.get(rid, (0, None))[1])
-        self._prefetch.start_load(rid, blocks, block_ids)
+        self._prefetch.start_load(rid, blocks, block_ids, self._direct_jobs.pop(rid, None))
 
     def request_finished(self, request_id: str) -> None:
+        self._direct_jobs.pop(request_id, None)
         self._decided.pop(request_id, None)
         self._started.pop(request_id, None)
         if self._prefetch is not None:
@@ -213,7 +229,27 @@ class StoreConnector(KVConnector):
     def load(self, blocks: list[BlockRef], block_ids: list[int]) -> int:
         return self._load_now(blocks, block_ids)
 
-    def _load_now(self, blocks: list[BlockRef], block_ids: list[int]) -> int:
+    def _load_now(self, blocks: list[BlockRef], block_ids: list[int], source=None) -> int:
+        """Fill ``block_ids``: from the engine a KV handle (``source``) names where it can,
+        the rest from the pool; how many leading blocks arrived."""
+        n = 0
+        if source is not None and self.direct is not None:
+            n = self.direct.read(source, blocks, block_ids)
+            self.stats.loaded_blocks += n
+            self.stats.loaded_bytes += n * self.block_bytes
+            if n == len(blocks):
+                return n
+        return n + self._load_pool(blocks[n:], block_ids[n:])
+
+    def kv_handle(self, hashes: list[bytes]):
+        """Where this engine's saved blocks of a prompt (chain ``hashes``) are, for a decode
+        worker to read directly (None: nothing published)."""
+        return self.direct.handle(hashes) if self.direct is not None else None
+
+    def _object_checksum(self, block_hash: bytes, parts: list) -> int:
+        return self.client.io.checksum(block_key(block_hash), parts)
+
+    def _load_pool(self, blocks: list[BlockRef], block_ids: list[int]) -> int:
         assert self._blocks is not None
         if not blocks or not self.pool_up():
             return 0
@@ -310,9 +346,20 @@ class StoreConnector(KVConnector):
             except KVPoolError as exc:
                 self._pool_failed("save", exc)
                 results = [exc] * len(refs)
-            stored = [r.block_hash for r, x in zip(refs, results, strict=True)
-                      if x is None or isinstance(x, AlreadyExistsError)]  # fmt: skip
+            kept = [r for r, x in zip(refs, results, strict=True)
+                    if x is None or isinstance(x, AlreadyExistsError)]  # fmt: skip
+            stored = [r.block_hash for r in kept]
             self.view.mark(stored, True)
+            if self.direct is not None and kept:  # the block is still held: its bytes are these
+                self.direct.record(
+                    kept,
+                    [
+                        self._object_checksum(
+                            r.block_hash, [self._header(r), self._blocks[r.block_id]]
+                        )
+                        for r in kept
+                    ],
+                )
             self.stats.saved_blocks += len(stored)
             self.stats.saved_bytes += len(stored) * self.block_bytes
             self.stats.dropped_saves += len(refs) - len(stored)

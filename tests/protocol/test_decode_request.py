@@ -1,0 +1,45 @@
+"""The prefill-to-decode hand-off messages: typed, checked when decoded."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.common.errors import ProtocolError
+from kvpool.common.rpc import pack, unpack
+from kvpool.protocol.decode import DecodeRequest, HandleBlock, KVHandle
+
+HANDLE = KVHandle("kv-abc", "owner1", 4096, (HandleBlock(0, 7, b"\x01" * 16, 123),
+                                              HandleBlock(1, 9, b"\x02" * 16, 2**63)))  # fmt: skip
+
+
+def test_round_trip():
+    req = DecodeRequest("r1", "chat", [1, 2, 3], {"max_tokens": 4, "temperature": 0.0},
+                        True, True, 2, HANDLE)  # fmt: skip
+    back = DecodeRequest.from_wire(unpack(pack(req.to_wire())))
+    assert back == req and back.kv_handle.by_index()[1].block_id == 9
+    bare = DecodeRequest("r2", "completion", [5], {})
+    assert DecodeRequest.from_wire(bare.to_wire()) == bare
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda d: d.update(kind="embeddings"),
+        lambda d: d.update(token_ids=[]),
+        lambda d: d.update(token_ids=["a"]),
+        lambda d: d.update(request_id=""),
+        lambda d: d.update(params=[1]),
+        lambda d: d.update(cached_tokens=-1),
+        lambda d: d["kv_handle"].update(block_bytes=0),
+        lambda d: d["kv_handle"].update(segment=""),
+        lambda d: d["kv_handle"].update(blocks=[[0, 1, "zz", 5]]),
+        lambda d: d["kv_handle"].update(blocks=[[0, -1, "00", 5]]),
+        lambda d: d["kv_handle"].update(blocks=[[0, 1, "00"]]),
+        lambda d: d.update(kv_handle="here"),
+    ],
+)
+def test_malformed_is_a_protocol_error(change):
+    wire = DecodeRequest("r1", "chat", [1], {}, kv_handle=HANDLE).to_wire()
+    change(wire)
+    with pytest.raises(ProtocolError):
+        DecodeRequest.from_wire(wire)

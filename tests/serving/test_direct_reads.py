@@ -1,0 +1,123 @@
+"""Direct prefill-to-decode reads over real transfer engines and TCP: a decode engine given a
+prefill engine's KV handle reads the prompt's blocks straight from it (its byte counter
+moves, the pool is not even asked), and falls back to the pool when the blocks were reused
+or the prefill side is gone; the tokens always equal a cold run's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpool import SamplingParams
+from kvpool.common.hashing import block_hashes
+from kvpool.config import TransferConfig
+from kvpool.engine.connectors.store import StoreConnector
+from kvpool.protocol.decode import KVHandle
+from kvpool.store import StoreClient
+from kvpool.store.embedded import EmbeddedStore
+
+SP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture
+def pool():
+    with EmbeddedStore(memory="64MiB") as store:
+        yield store
+
+
+def client_of(pool) -> StoreClient:
+    """A client with its own transfer engine (another process's, as far as bytes go)."""
+    return StoreClient(pool.server.address, TransferConfig(transport="tcp"))
+
+
+def run(eng, prompt, rid="r", kv_handle=None):
+    eng.add_request(rid, prompt, SP, kv_handle=kv_handle)
+    outs = []
+    while eng.has_unfinished_requests():
+        outs = eng.step() or outs
+    return outs[-1]
+
+
+def prompt_of(seed: int, n: int = 41) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def prefill(pool, tiny_engine_factory, prompt):
+    """A prefill engine on its own client: its cold output, its handle, its client."""
+    client = client_of(pool)
+    conn = StoreConnector(client)
+    eng = tiny_engine_factory(connector=conn)
+    cold = run(eng, prompt, "prefill").outputs[0].token_ids
+    hashes = block_hashes(prompt, 4, eng.kv_manager.hash_seed)
+    assert conn.wait_saved(hashes, 10)
+    handle = conn.kv_handle(hashes)
+    assert handle is not None and len(handle.blocks) == 10
+    assert KVHandle.from_wire(handle.to_wire()) == handle  # what crosses the RPC
+    return eng, conn, client, cold, handle
+
+
+def test_decode_reads_the_prefill_engines_blocks_directly(pool, tiny_engine_factory):
+    prompt = prompt_of(1)
+    a, _, a_client, cold, handle = prefill(pool, tiny_engine_factory, prompt)
+    b_client = client_of(pool)
+    b_conn = StoreConnector(b_client)
+    b = tiny_engine_factory(connector=b_conn)
+    out = run(b, prompt, kv_handle=handle)
+    assert out.outputs[0].token_ids == cold and out.num_cached_tokens == 40
+    assert b_conn.direct.read_blocks == 10
+    assert b_conn.direct.read_bytes == 10 * b_conn.block_bytes
+    assert b_conn.stats.lookups == 0  # the handle was the lookup: no master round trip
+    assert b_conn.direct.fallbacks == 0
+    for c in (b, a):
+        c.close()
+    b_client.close()
+    a_client.close()
+
+
+def test_reused_blocks_are_read_from_the_pool(pool, tiny_engine_factory):
+    prompt = prompt_of(2)
+    a, _, a_client, cold, handle = prefill(pool, tiny_engine_factory, prompt)
+    a.reset_prefix_cache()
+    for i in range(6):  # other prompts take (and overwrite) every free block
+        run(a, prompt_of(100 + i, 80), f"other{i}")
+    b_client = client_of(pool)
+    b_conn = StoreConnector(b_client)
+    b = tiny_engine_factory(connector=b_conn)
+    out = run(b, prompt, kv_handle=handle)
+    assert out.outputs[0].token_ids == cold and out.num_cached_tokens == 40
+    assert b_conn.direct.fallbacks == 1 and b_conn.direct.read_blocks < 10
+    assert b_conn.stats.loaded_blocks == 10  # the rest came from the pool
+    for c in (b, a):
+        c.close()
+    b_client.close()
+    a_client.close()
+
+
+def test_a_dead_prefill_worker_falls_back_to_the_pool(pool, tiny_engine_factory):
+    prompt = prompt_of(3)
+    a, _, a_client, cold, handle = prefill(pool, tiny_engine_factory, prompt)
+    a.close()
+    a_client.close()  # its transfer server and segment are gone
+    b_client = client_of(pool)
+    b_conn = StoreConnector(b_client)
+    b = tiny_engine_factory(connector=b_conn)
+    out = run(b, prompt, kv_handle=handle)
+    assert out.outputs[0].token_ids == cold and out.num_cached_tokens == 40
+    assert b_conn.direct.read_blocks == 0 and b_conn.direct.fallbacks == 1
+    assert b_conn.stats.loaded_blocks == 10
+    b.close()
+    b_client.close()
+
+
+def test_a_handle_for_other_tokens_is_not_used(pool, tiny_engine_factory):
+    a, _, a_client, _, handle = prefill(pool, tiny_engine_factory, prompt_of(4))
+    other = prompt_of(5)
+    b_client = client_of(pool)
+    b_conn = StoreConnector(b_client)
+    b = tiny_engine_factory(connector=b_conn)
+    run(b, other, kv_handle=handle)
+    assert b_conn.direct.read_blocks == 0 and b_conn.direct.fallbacks == 0
+    for c in (b, a):
+        c.close()
+    b_client.close()
+    a_client.close()
