@@ -180,6 +180,9 @@ def summarize(res: Results, name: str, results: list[dict], seconds: float, clus
         load = sum(c.get("pool_load_seconds", 0.0) for c in counters)
         compute = sum(c.get("compute_seconds", 0.0) for c in counters)
         figs["kv_load_vs_compute_ratio"] = load / compute if compute else 0.0
+    loaded = sum(c.get("pool_loaded_bytes", 0) for c in counters)
+    if loaded:  # of the KV decode workers loaded, the share read straight from a prefill worker
+        figs["kv_direct_share"] = sum(c.get("direct_read_bytes", 0) for c in counters) / loaded
     for k, v in figs.items():
         res.figure(f"{name}_{k}", v)
     return {"ttft": ttft, "tbt": tbt}
