@@ -122,6 +122,10 @@ def test_prefix_computed_on_one_prefill_worker_is_loaded_by_the_other(cluster, c
     assert max(pool_hits.values()) >= 64, pool_hits  # >= 4 blocks of 16 from the pool
     loaded = after["decode-1"]["pool_loaded_bytes"] - before["decode-1"]["pool_loaded_bytes"]
     assert loaded > 0
+    # the decode worker read the prompts' KV straight from the prefill workers (their handles)
+    direct = after["decode-1"]["direct_read_bytes"] - before["decode-1"]["direct_read_bytes"]
+    assert direct > 0 and after["decode-1"]["direct_fallbacks"] == before["decode-1"][
+        "direct_fallbacks"]  # fmt: skip
     metrics = httpx.get(f"{url}/metrics").text
     assert 'kvpool_prefix_cache_hits_total{source="pool"}' in metrics
     assert "kvpool_time_to_first_token_seconds_count" in metrics

@@ -75,7 +75,7 @@ class WorkerControl:
             "steps": st.steps,
         }
         if self.connector is not None:
-            c = self.connector.stats
+            c, direct = self.connector.stats, getattr(self.connector, "direct", None)
             out.update(
                 pool_loaded_bytes=c.loaded_bytes,
                 pool_saved_bytes=c.saved_bytes,
@@ -83,8 +83,8 @@ class WorkerControl:
                 pool_save_seconds=c.save_seconds,
                 pool_save_wait_seconds=c.save_wait_seconds,
                 pool_errors=c.pool_errors,
-                direct_read_bytes=c.direct.read_bytes if c.direct is not None else 0,
-                direct_fallbacks=c.direct.fallbacks if c.direct is not None else 0,
+                direct_read_bytes=direct.read_bytes if direct is not None else 0,
+                direct_fallbacks=direct.fallbacks if direct is not None else 0,
                 pool_up=self.connector.pool_up(),
             )
         return out
