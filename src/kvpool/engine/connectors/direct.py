@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
@@ -50,6 +51,7 @@ class DirectReads:
         self.read_blocks = 0  # blocks read directly and verified
         self.read_bytes = 0
         self.fallbacks = 0  # reads that stopped short (a reused block, a dead peer)
+        self._s_per_byte = 1e-9  # measured read speed (EWMA); 1 GB/s before any read
 
     # -- prefill side -------------------------------------------------------------------------
 
@@ -86,6 +88,10 @@ class DirectReads:
 
     # -- decode side --------------------------------------------------------------------------
 
+    def predict_s(self, n_blocks: int) -> float:
+        """Seconds a direct read of ``n_blocks`` is expected to take (measured)."""
+        return n_blocks * self.block_bytes * self._s_per_byte
+
     def usable(self, handle: object, hashes: list[bytes], start: int) -> int:
         """How many blocks from index ``start`` of a chain the handle holds (same hashes)."""
         if not isinstance(handle, KVHandle) or handle.block_bytes != self.block_bytes:
@@ -110,9 +116,12 @@ class DirectReads:
         reqs = [TransferRequest(Op.READ, self.kv[dst], handle.segment,
                                 picks[i].block_id * self.block_bytes)  # type: ignore[union-attr]
                 for i, dst in enumerate(block_ids[:n_ask])]  # fmt: skip
+        t0 = time.perf_counter()
         try:
             self.engine.expect_owner(handle.segment, handle.owner)
             statuses = self.engine.transfer_statuses(reqs, self.timeout)
+            took = time.perf_counter() - t0
+            self._s_per_byte = 0.7 * self._s_per_byte + 0.3 * took / (n_ask * self.block_bytes)
         except KVPoolError as exc:  # the segment is gone (its worker died) or unreachable
             logger.info("direct KV read from %s failed (%s); reading from the pool",
                         handle.segment, exc)  # fmt: skip

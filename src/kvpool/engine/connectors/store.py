@@ -37,6 +37,7 @@ from kvpool.engine.request import Request
 from kvpool.protocol.kv_object import block_key, header_size, header_tokens, pack_header
 
 logger = logging.getLogger(__name__)
+SYNC_SHARE = 0.2  # a load predicted under this share of the running step is done inside it
 
 
 @dataclass(slots=True)
@@ -76,6 +77,8 @@ class StoreConnector(KVConnector):
         self._use_direct = direct and async_load
         self.direct: DirectReads | None = None  # set at bind (it needs the KV tensor)
         self._direct_jobs: dict[str, object] = {}  # request -> the KV handle it loads from
+        self._sync_sources: dict[bytes, object] = {}  # first block hash -> handle (quick reads)
+        self._step_s = None  # the engine's prediction of its current step (set_cost_model)
         self.stats = ConnectorStats()
         self._down_until = 0.0
         self._blocks: np.ndarray | None = None  # [num_blocks, block_bytes] uint8 view
@@ -148,6 +151,9 @@ class StoreConnector(KVConnector):
             n = self.direct.usable(handle, request.block_hashes[:max_blocks],
                                    num_computed_tokens // bs)  # fmt: skip
             if n:
+                if self._quick(self.direct.predict_s(n)):
+                    self._sync_sources[request.block_hashes[num_computed_tokens // bs]] = handle
+                    return n * bs, False  # read inside this step: sooner than the next one
                 self._direct_jobs[rid] = handle
                 return n * bs, True
         backlog = self._prefetch.backlog_blocks()
@@ -167,7 +173,23 @@ class StoreConnector(KVConnector):
                 if not self._decided[rid][0] and self.policy.wants_probe():
                     self._prefetch.probe(hashes[: min(n, PROBE_BLOCKS)])
             n = min(n, self._decided[rid][0])
+            if (
+                n
+                and not backlog
+                and self._quick(self.policy.loads.predict(n * self.policy.block_bytes))
+            ):
+                return n * bs, False  # inside this step (see ``_quick``)
         return n * bs, n > 0
+
+    def _quick(self, load_s: float | None) -> bool:
+        """Whether a load is better done inside the current step: it is predicted to take at
+        most ``SYNC_SHARE`` of the running batch's step (what it adds to their TBT), against a
+        whole step of waiting for the request (a background load is picked up at the next
+        step), or nothing else runs."""
+        if load_s is None:
+            return False
+        step = self._step_s() if self._step_s is not None else 0.0
+        return step <= 0 or load_s <= SYNC_SHARE * step
 
     def update_state_after_alloc(
         self, request: Request, blocks: list[BlockRef], block_ids: list[int]
@@ -197,6 +219,7 @@ class StoreConnector(KVConnector):
         return done
 
     def set_cost_model(self, compute_s, step_s) -> None:
+        self._step_s = step_s
         if self.policy is not None:
             self.policy.compute_s, self.policy.step_s = compute_s, step_s
 
@@ -227,7 +250,13 @@ class StoreConnector(KVConnector):
         return leading_true(present)
 
     def load(self, blocks: list[BlockRef], block_ids: list[int]) -> int:
-        return self._load_now(blocks, block_ids)
+        """A load inside the step: the synchronous path, or a quick one (``_quick``)."""
+        source = self._sync_sources.pop(blocks[0].block_hash, None) if blocks else None
+        t0 = time.perf_counter()
+        n = self._load_now(blocks, block_ids, source)
+        if source is None and self.policy is not None and n:
+            self.policy.observe_load(len(blocks), time.perf_counter() - t0)
+        return n
 
     def _load_now(self, blocks: list[BlockRef], block_ids: list[int], source=None) -> int:
         """Fill ``block_ids``: from the engine a KV handle (``source``) names where it can,
