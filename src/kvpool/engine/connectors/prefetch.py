@@ -95,7 +95,7 @@ class Prefetcher:
 
     def __init__(self, exists: Callable[[list[bytes]], list[bool]],
                  load: Callable[[list[BlockRef], list[int], object], int], view: PoolView,
-                 max_loads: int = 8, lookup_wait: float = 0.5,
+                 max_loads: int = 8, lookup_wait: float = 0.5, lookup_grace: float = 0.005,
                  on_loaded: Callable[[int, float], None] | None = None,
                  probe: Callable[[list[bytes]], int] | None = None) -> None:  # fmt: skip
         self._exists = exists
@@ -105,6 +105,7 @@ class Prefetcher:
         self.view = view
         self.max_loads = max_loads
         self.lookup_wait = lookup_wait  # past this, a request goes on with what is known
+        self.lookup_grace = lookup_grace  # the step waits this long for a lookup's answer
         self._lock = threading.Lock()
         self._event = threading.Event()
         self._asked: dict[str, float] = {}  # request id -> when its lookup was queued
@@ -132,9 +133,14 @@ class Prefetcher:
             now = time.monotonic()
             if asked is None:
                 self._asked[request_id] = now
-                self._lookups.put((request_id, hashes[n:]))
-                return None
-            if now - asked < self.lookup_wait:
+                answered = threading.Event()
+                self._lookups.put((request_id, hashes[n:], answered))
+                # a lookup takes a round trip to the master: worth a few milliseconds of this
+                # step, against a whole step of waiting for the next one
+                if not answered.wait(self.lookup_grace):
+                    return None
+                n, final = self.view.leading(hashes)
+            elif now - asked < self.lookup_wait:
                 return None
         if n and len(self._jobs) >= self.max_loads:
             return None
@@ -186,13 +192,14 @@ class Prefetcher:
             item = self._lookups.get()
             if item is None:
                 return
-            _, hashes = item
+            _, hashes, answered = item
             self.lookups += 1
             try:
                 present = self._exists(hashes)
             except Exception:  # the connector logged it and marked the pool down
                 present = [False] * len(hashes)
             self.view.mark(hashes, present)
+            answered.set()
             self._event.set()
 
     def _load_loop(self) -> None:
