@@ -56,68 +56,60 @@ def prefill(pool, tiny_engine_factory, prompt):
     return eng, conn, client, cold, handle
 
 
-def test_decode_reads_the_prefill_engines_blocks_directly(pool, tiny_engine_factory):
+@pytest.fixture
+def decode(pool, tiny_engine_factory):
+    """A decode engine on its own client: (engine, connector)."""
+    client = client_of(pool)
+    conn = StoreConnector(client)
+    yield tiny_engine_factory(connector=conn), conn
+    client.close()
+
+
+def test_decode_reads_the_prefill_engines_blocks_directly(pool, tiny_engine_factory, decode):
     prompt = prompt_of(1)
     a, _, a_client, cold, handle = prefill(pool, tiny_engine_factory, prompt)
-    b_client = client_of(pool)
-    b_conn = StoreConnector(b_client)
-    b = tiny_engine_factory(connector=b_conn)
+    b, b_conn = decode
     out = run(b, prompt, kv_handle=handle)
     assert out.outputs[0].token_ids == cold and out.num_cached_tokens == 40
     assert b_conn.direct.read_blocks == 10
     assert b_conn.direct.read_bytes == 10 * b_conn.block_bytes
     assert b_conn.stats.lookups == 0  # the handle was the lookup: no master round trip
     assert b_conn.direct.fallbacks == 0
-    for c in (b, a):
-        c.close()
-    b_client.close()
+    a.close()
     a_client.close()
 
 
-def test_reused_blocks_are_read_from_the_pool(pool, tiny_engine_factory):
+def test_reused_blocks_are_read_from_the_pool(pool, tiny_engine_factory, decode):
     prompt = prompt_of(2)
     a, _, a_client, cold, handle = prefill(pool, tiny_engine_factory, prompt)
     a.reset_prefix_cache()
     for i in range(6):  # other prompts take (and overwrite) every free block
         run(a, prompt_of(100 + i, 80), f"other{i}")
-    b_client = client_of(pool)
-    b_conn = StoreConnector(b_client)
-    b = tiny_engine_factory(connector=b_conn)
+    b, b_conn = decode
     out = run(b, prompt, kv_handle=handle)
     assert out.outputs[0].token_ids == cold and out.num_cached_tokens == 40
     assert b_conn.direct.fallbacks == 1 and b_conn.direct.read_blocks < 10
     assert b_conn.stats.loaded_blocks == 10  # the rest came from the pool
-    for c in (b, a):
-        c.close()
-    b_client.close()
+    a.close()
     a_client.close()
 
 
-def test_a_dead_prefill_worker_falls_back_to_the_pool(pool, tiny_engine_factory):
+def test_a_dead_prefill_worker_falls_back_to_the_pool(pool, tiny_engine_factory, decode):
     prompt = prompt_of(3)
     a, _, a_client, cold, handle = prefill(pool, tiny_engine_factory, prompt)
     a.close()
     a_client.close()  # its transfer server and segment are gone
-    b_client = client_of(pool)
-    b_conn = StoreConnector(b_client)
-    b = tiny_engine_factory(connector=b_conn)
+    b, b_conn = decode
     out = run(b, prompt, kv_handle=handle)
     assert out.outputs[0].token_ids == cold and out.num_cached_tokens == 40
     assert b_conn.direct.read_blocks == 0 and b_conn.direct.fallbacks == 1
     assert b_conn.stats.loaded_blocks == 10
-    b.close()
-    b_client.close()
 
 
-def test_a_handle_for_other_tokens_is_not_used(pool, tiny_engine_factory):
+def test_a_handle_for_other_tokens_is_not_used(pool, tiny_engine_factory, decode):
     a, _, a_client, _, handle = prefill(pool, tiny_engine_factory, prompt_of(4))
-    other = prompt_of(5)
-    b_client = client_of(pool)
-    b_conn = StoreConnector(b_client)
-    b = tiny_engine_factory(connector=b_conn)
-    run(b, other, kv_handle=handle)
+    b, b_conn = decode
+    run(b, prompt_of(5), kv_handle=handle)
     assert b_conn.direct.read_blocks == 0 and b_conn.direct.fallbacks == 0
-    for c in (b, a):
-        c.close()
-    b_client.close()
+    a.close()
     a_client.close()
