@@ -110,6 +110,13 @@ class UnavailableError(KVPoolError):
     error_type = "unavailable_error"
 
 
+class RoomPendingError(UnavailableError):
+    """No room for a put yet: the pool is moving colder objects to SSD to make some. The store
+    client retries the put by itself, for a moment."""
+
+    error_type = "room_pending_error"
+
+
 class ConnectionLostError(UnavailableError):
     """A control-plane peer could not be reached, or dropped the connection mid-call."""
 

@@ -20,7 +20,7 @@ import logging
 import time
 
 from kvpool.common import auth
-from kvpool.common.errors import KVPoolError, NotFoundError
+from kvpool.common.errors import KVPoolError, NotFoundError, RoomPendingError
 from kvpool.common.rpc import error_from_body
 from kvpool.config import TransferConfig
 from kvpool.store.lease_cache import LeaseCache
@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 BATCH = 4096  # keys per master call of a batch (the RPC's bulk limits allow 65,536 elements)
+ROOM_RETRY_S = 0.02  # between tries of a put that waits for offloads to make room
 
 
 def transfer_config(config: TransferConfig | None, token: str | None,
@@ -89,7 +90,15 @@ class StoreClient:
         ``options.upsert``; ``options`` also names preferred nodes and pins."""
         view = byte_view(value, writable=False)
         wire = options.to_wire() if options is not None else None
-        meta = self.master.call("put_start", key, len(view), replicas, wire)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                meta = self.master.call("put_start", key, len(view), replicas, wire)
+                break
+            except RoomPendingError:  # offloads are making room: ask again in a moment
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(ROOM_RETRY_S)
         try:
             self.io.write(meta, [view])
         except KVPoolError:
@@ -160,6 +169,22 @@ class StoreClient:
     def batch_exists(self, keys: list[str]) -> list[bool]:
         return self._batched("batch_exists", keys)
 
+    def _put_starts(self, items: list, replicas: int | None, wire) -> list:
+        """``batch_put_start``, asking again for the items that got ``RoomPendingError``
+        (offloads are making room) until they get an answer or ``timeout`` passes."""
+        metas = self._batched("batch_put_start", items, replicas, wire)
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            again = [i for i, m in enumerate(metas)
+                     if "error" in m and m["error"].get("type") == "RoomPendingError"]  # fmt: skip
+            if not again:
+                break
+            time.sleep(ROOM_RETRY_S)
+            for i, m in zip(again, self._batched("batch_put_start", [items[i] for i in again],
+                                                 replicas, wire), strict=True):  # fmt: skip
+                metas[i] = m
+        return metas
+
     def _batched(self, method: str, items: list, *args) -> list:
         """A batch call cut into master calls of at most ``BATCH`` items."""
         out: list = []
@@ -217,7 +242,7 @@ class StoreClient:
             for k in keys:
                 self.leases.drop(k)
         wire = options.to_wire() if options is not None else None
-        metas = self._batched("batch_put_start", items, replicas, wire)
+        metas = self._put_starts(items, replicas, wire)
         results: list = [None] * len(keys)
         reqs, owners = [], []
         for i, (meta, ps) in enumerate(zip(metas, parts, strict=True)):

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from kvpool.common.errors import NoSpaceError
 from kvpool.store.master import tiering
 from kvpool.store.master.objects import ObjectMeta, ObjectState, Replica, Tier
+from kvpool.store.master.view import MovesPending
 
 if TYPE_CHECKING:
     from kvpool.store.master.view import StateView
@@ -38,6 +39,8 @@ def place(state: StateView, size: int, want: int, preferred: tuple[str, ...] = (
             if replica is None:
                 if placed:  # fewer replicas than asked beats no object at all
                     break
+                if state.moving and not state.drop_evicts:
+                    raise MovesPending(f"no DRAM for {size} bytes until offloads end")
                 raise NoSpaceError(f"no DRAM segment can hold {size} bytes now")
             placed.append(replica)
     except BaseException:
@@ -75,15 +78,22 @@ def evict(state: StateView, tier: Tier, need: int = 0,
     used, cap = usage(state, tier)
     target = min(cap * cfg.low_watermark, cap - need)
     victims = sorted(
-        (m for m in state.objects.values() if _evictable(m, now, tier, exclude_nodes)),
+        (
+            m
+            for m in state.objects.values()
+            if _evictable(m, now, tier, exclude_nodes, {} if state.drop_evicts else state.moving)
+        ),
         key=lambda m: (m.soft_pinned(now), m.heat(now, cfg.half_life), m.last_access),
     )
     evicted = []
+    later = tier is Tier.DRAM and state.mover_async is not None and not state.drop_evicts
     for meta in victims:
         if used <= target:
             break
         used -= meta.size * len(meta.replicas_on(tier))
-        if tier is Tier.DRAM and state.mover is not None:
+        if later and tiering.offload_later(state, meta, now):
+            continue  # its DRAM comes back when the copy ends (not counted as an eviction)
+        if tier is Tier.DRAM and state.mover is not None and not state.drop_evicts:
             if not tiering.offload(state, meta, now):
                 state.delete(meta)
         else:
@@ -99,9 +109,10 @@ def evict_to_watermark(state: StateView) -> None:
         evict(state, Tier.DRAM)
 
 
-def _evictable(m: ObjectMeta, now: float, tier: Tier, exclude: set[str] | None) -> bool:
+def _evictable(m: ObjectMeta, now: float, tier: Tier, exclude: set[str] | None,
+               moving: dict[str, int]) -> bool:  # fmt: skip
     if m.state is not ObjectState.COMPLETE or m.hard_pinned or m.leased(now) \
-            or m.cooldown_until > now:  # fmt: skip
+            or m.cooldown_until > now or m.key in moving:  # fmt: skip
         return False
     on_tier = m.replicas_on(tier)
     return bool(on_tier) and not (exclude and all(r.node_id in exclude for r in on_tier))

@@ -29,7 +29,7 @@ from kvpool.common.rpc import (
 )
 from kvpool.config import MAX_REPLICAS, MasterConfig
 from kvpool.store.master.commits import Commits
-from kvpool.store.master.movers import NodeMovers
+from kvpool.store.master.movers import NodeMovers, RoomWaits
 from kvpool.store.master.nudge import Nudger
 from kvpool.store.master.objects import PutOptions, Replica, Tier
 from kvpool.store.master.tracked import TrackedState
@@ -97,11 +97,13 @@ class MasterService:
         token: str | None = None,
         admin_token: str | None = None,
         commit_wait: float = 0.0,
+        move_wait: float = 10.0,
     ) -> None:
         """``commit_wait`` > 0 (durable commits, for a master with a standby): a put_end
         answers once the nodes of the object hold its index delta (at most that many seconds),
         so a standby elected right after rebuilds every acknowledged put."""
         self.config = config or MasterConfig()
+        self.room = RoomWaits(move_wait)  # puts told to retry while offloads free DRAM
         self.state = TrackedState(self.config, clock)
         # A master elected after a fail-over starts empty: until the nodes have mounted again
         # and reported, a miss may only mean "not reported yet", so answer "retry" instead.
@@ -234,12 +236,11 @@ class MasterService:
         """Allocate the replicas of a new object: ``{key, size, replicas, put_id, ...}``;
         ``options``: ``PutOptions`` (upsert, preferred nodes, pins)."""
         owner, opts = current_call().client_id, _options(options)
-        with self.lock:
-            try:
-                return self.state.started(self.state.put_start(key, _int(size, "size"), replicas,
-                                                               owner, opts))  # fmt: skip
-            except NoSpaceError as exc:
-                raise self._unavailable(exc) from None
+        [out] = self.room.run(self.lock, self.state, [key], lambda _: self.state.started(
+            self.state.put_start(key, _int(size, "size"), replicas, owner, opts)))  # fmt: skip
+        if isinstance(out, KVPoolError):
+            raise self._unavailable(out) if isinstance(out, NoSpaceError) else out
+        return out
 
     @rpc_method
     def put_end(self, key: str, put_id: int, checksum: int) -> bool:
@@ -279,15 +280,12 @@ class MasterService:
         """``[[key, size], ...]`` -> per item the object with its put id, or
         ``{"error": {...}}``."""
         owner, opts = current_call().client_id, _options(options)
-        out = []
-        with self.lock:
-            for key, size in _items(items, 2, "key, size"):
-                try:
-                    meta = self.state.put_start(key, _int(size, "size"), replicas, owner, opts)
-                    out.append(self.state.started(meta))
-                except KVPoolError as exc:
-                    out.append({"error": error_body(exc)})
-        return out
+        pairs = _items(items, 2, "key, size")
+        results = self.room.run(self.lock, self.state, [p[0] for p in pairs],
+                                lambda i: self.state.started(self.state.put_start(
+                                    pairs[i][0], _int(pairs[i][1], "size"), replicas, owner,
+                                    opts)))  # fmt: skip
+        return [{"error": error_body(r)} if isinstance(r, KVPoolError) else r for r in results]
 
     @rpc_method(bulk=True)
     def batch_put_end(self, items: list) -> list[bool]:

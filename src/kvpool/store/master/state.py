@@ -78,7 +78,8 @@ class MasterState:
         # held (promotions use it when set, so a get never waits for a node)
         self.mover_async: Callable[[Replica, Replica, int, Callable[[bool], None]], None] | None \
             = None  # fmt: skip
-        self.moving: dict[str, Replica] = {}  # key -> the DRAM range of its promotion in flight
+        self.moving: dict[str, int] = {}  # key -> its copies in flight (promotion, offload)
+        self.drop_evicts = False  # evict by dropping, never offloading (the last resort)
         self.pending_bytes: dict[str, int] = defaultdict(int)  # by client: unfinished puts
         self.upserts: dict[str, ObjectMeta] = {}  # new versions of existing keys, in progress
         self.retired: list[tuple[Replica, float]] = []  # old versions' replicas, freed after

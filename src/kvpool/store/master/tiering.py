@@ -5,10 +5,11 @@ making room there by dropping its coldest SSD objects) instead of being dropped;
 object that lives only on SSD promotes it back to DRAM on the same node when there is room.
 A moved object cools down for ``config.cooldown`` seconds: it is neither evicted nor promoted
 again before then, so a hot-cold-hot pattern cannot make it bounce. The copy itself is the
-node's RPC: promotions go through ``mover_async`` (started under the master's lock, applied
-by ``_promoted`` when the copy ends, so no get waits for a node), offloads through the
-synchronous ``mover`` (an eviction needs the space now); if a copy fails, the object simply
-stays where it was (promotion) or is dropped (offload).
+node's RPC. With ``mover_async`` (the master's) both directions only start under the lock and
+are applied when the copy ends (``_promoted``, ``_offloaded``): no get or put waits for a
+node; a put that needs the DRAM an offload will free is told so (``MovesPending``). Without it
+(pure tests) the synchronous ``mover`` copies at once. If a copy fails, the object stays where
+it was (an offload that cannot even start means a plain eviction).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def promote(state: StateView, meta: ObjectMeta, now: float) -> None:
         dst = Replica(src.node_id, dram.name, offset, Tier.DRAM)
         meta.cooldown_until = now + state.config.cooldown
         if state.mover_async is not None:
-            state.moving[meta.key] = dst
+            _begin(state, meta.key)
             state.mover_async(src, dst, meta.size, functools.partial(_promoted, state, meta, src,
                                                                      dst))  # fmt: skip
             return
@@ -80,29 +81,70 @@ def promote(state: StateView, meta: ObjectMeta, now: float) -> None:
             meta.cooldown_until = 0.0
             continue
         _swap(state, meta, src, dst, now)
+        state.counters["promotions"] += 1
         return
 
 
 def _promoted(state: StateView, meta: ObjectMeta, src: Replica, dst: Replica, ok: bool) -> None:
     """A promotion's copy ended (the state's lock is held): swap the replicas if the object is
     still the one copied, else give the DRAM range back."""
-    state.moving.pop(meta.key, None)
-    current = state.objects.get(meta.key)
-    if ok and current is meta and meta.state is ObjectState.COMPLETE and src in meta.replicas \
-            and dst.segment in state.segments:  # fmt: skip
+    if _applies(state, meta, src, dst, ok):
         _swap(state, meta, src, dst, state.clock())
-    elif dst.segment in state.segments:
+        state.counters["promotions"] += 1
+
+
+def offload_later(state: StateView, meta: ObjectMeta, now: float) -> bool:
+    """Start moving ``meta``'s DRAM replicas to SSD on their nodes (``state.mover_async``);
+    their DRAM goes when the copies end (``_offloaded``). False if none could start."""
+    started = False
+    for src in meta.replicas_on(Tier.DRAM):
+        dst = _ssd_space(state, src.node_id, meta.size, exclude=meta.key)
+        if dst is None:
+            continue
+        _begin(state, meta.key)
+        started = True
+        assert state.mover_async is not None
+        state.mover_async(src, dst, meta.size, functools.partial(_offloaded, state, meta, src,
+                                                                 dst))  # fmt: skip
+    if started:
+        meta.cooldown_until = now + state.config.cooldown
+    return started
+
+
+def _offloaded(state: StateView, meta: ObjectMeta, src: Replica, dst: Replica, ok: bool) -> None:
+    """An offload's copy ended (the state's lock is held): the object now lives on SSD, its
+    DRAM is free; if the copy failed it simply stays in DRAM."""
+    if _applies(state, meta, src, dst, ok):
+        _swap(state, meta, src, dst, state.clock())
+        state.counters["offloads"] += 1
+
+
+def _begin(state: StateView, key: str) -> None:
+    state.moving[key] = state.moving.get(key, 0) + 1
+
+
+def _applies(state: StateView, meta: ObjectMeta, src: Replica, dst: Replica, ok: bool) -> bool:
+    """Whether a finished copy is still wanted; if not, its destination range goes back."""
+    left = state.moving.get(meta.key, 1) - 1
+    if left > 0:
+        state.moving[meta.key] = left
+    else:
+        state.moving.pop(meta.key, None)
+    if ok and state.objects.get(meta.key) is meta and meta.state is ObjectState.COMPLETE \
+            and src in meta.replicas and dst.segment in state.segments:  # fmt: skip
+        return True
+    if dst.segment in state.segments:
         state.segments[dst.segment].allocator.free(dst.offset)
+    return False
 
 
 def _swap(state: StateView, meta: ObjectMeta, src: Replica, dst: Replica, now: float) -> None:
     meta.replicas = [dst if r is src else r for r in meta.replicas]
-    if meta.leased(now):  # a reader may still be on the SSD copy: free it when its lease ends
+    if meta.leased(now):  # a reader may still be on the old copy: free it when its lease ends
         state.retired.append((src, meta.lease_until))
     else:
         state.free_replica(src)
     state.on_move(meta, src, dst)
-    state.counters["promotions"] += 1
 
 
 def _ssd_space(state: StateView, node_id: str, size: int, exclude: str) -> Replica | None:

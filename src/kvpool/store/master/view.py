@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvpool.common.errors import NoSpaceError
 from kvpool.config import MasterConfig
 from kvpool.store.master.allocator import OffsetAllocator
 from kvpool.store.master.objects import ObjectMeta, Replica, Tier
@@ -26,6 +27,11 @@ class MountedSegment:
     owner: str = ""  # the incarnation of the node that mounted it (its transfer engine's id)
 
 
+class MovesPending(NoSpaceError):
+    """No room now, but offloads in flight will make some: try again when they end (the
+    service waits for them outside its lock)."""
+
+
 class StateView(Protocol):
     config: MasterConfig
     clock: Callable[[], float]
@@ -36,7 +42,8 @@ class StateView(Protocol):
     pending_bytes: dict[str, int]
     mover: Callable[[Replica, Replica, int], bool] | None
     mover_async: Callable[[Replica, Replica, int, Callable[[bool], None]], None] | None
-    moving: dict[str, Replica]
+    moving: dict[str, int]
+    drop_evicts: bool
     retired: list[tuple[Replica, float]]
 
     def settle(self, meta: ObjectMeta) -> None: ...
