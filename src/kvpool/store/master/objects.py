@@ -65,6 +65,11 @@ class ObjectMeta:
         self.score = self.heat(now, half_life) + 1.0
         self.last_access = now
 
+    def eviction_order(self, now: float, half_life: float) -> tuple:
+        """The one order in which objects leave a tier (DRAM evictions, SSD drops), coldest
+        first: soft-pinned ones last, then by decayed access frequency, then least recent."""
+        return (self.soft_pinned(now), self.heat(now, half_life), self.last_access)
+
     def heat(self, now: float, half_life: float) -> float:
         """The access count with each access weighing ``2 ** -(age / half_life)``: a block read
         often stays hot across a long gap, one read once long ago goes cold (LRFU)."""

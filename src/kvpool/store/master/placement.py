@@ -83,7 +83,7 @@ def evict(state: StateView, tier: Tier, need: int = 0,
             for m in state.objects.values()
             if _evictable(m, now, tier, exclude_nodes, {} if state.drop_evicts else state.moving)
         ),
-        key=lambda m: (m.soft_pinned(now), m.heat(now, cfg.half_life), m.last_access),
+        key=lambda m: m.eviction_order(now, cfg.half_life),
     )
     evicted = []
     later = tier is Tier.DRAM and state.mover_async is not None and not state.drop_evicts

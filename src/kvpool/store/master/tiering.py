@@ -161,7 +161,7 @@ def _ssd_space(state: StateView, node_id: str, size: int, exclude: str) -> Repli
                 if m.key != exclude and m.state is ObjectState.COMPLETE and not m.leased(now)
                 and any(r.segment == ssd.name for r in m.replicas)
             ),
-            key=lambda m: (m.pinned, m.heat(now, state.config.half_life), m.last_access),
+            key=lambda m: m.eviction_order(now, state.config.half_life),
         )  # fmt: skip
         for victim in victims:
             state.drop_replicas(victim, ssd.name)
