@@ -20,6 +20,7 @@ from kvpool.common import auth
 from kvpool.common.errors import BadRequestError, KVPoolError
 from kvpool.common.rpc import RpcServer
 from kvpool.config import TransferConfig
+from kvpool.protocol.store import IndexDelta
 from kvpool.store.client import transfer_config
 from kvpool.store.link import MasterLink
 from kvpool.transfer import TransferEngine
@@ -112,15 +113,16 @@ class StorageNode:
         ``deltas`` are the seqs ``seq - len(deltas) + 1 .. seq``; a push and a heartbeat reply
         may cross, so those already applied are skipped (a stale "add" after a "del" would
         resurrect an object)."""
+        typed = [IndexDelta.from_wire(e) for e in deltas]  # all checked before any applies
         with self._lock:
             if epoch == self._ack[0]:
-                deltas = deltas[max(0, len(deltas) - (seq - self._ack[1])):] \
+                typed = typed[max(0, len(typed) - (seq - self._ack[1])):] \
                     if seq > self._ack[1] else []  # fmt: skip
-            for op, key, size, segment, offset, checksum in deltas:
-                if op == "add":
-                    self.index[key] = (segment, offset, size, checksum)
-                elif self.index.get(key, (None, None))[:2] == (segment, offset):
-                    del self.index[key]
+            for d in typed:
+                if d.op == "add":
+                    self.index[d.key] = (d.segment, d.offset, d.size, d.checksum)
+                elif self.index.get(d.key, (None, None))[:2] == (d.segment, d.offset):
+                    del self.index[d.key]
             if epoch != self._ack[0] or seq > self._ack[1]:
                 self._ack = (epoch, seq)
 
@@ -129,11 +131,7 @@ class StorageNode:
         (applying one twice is harmless); True once applied."""
         if not isinstance(epoch, str) or not isinstance(seq, int) or not isinstance(entries, list):
             raise BadRequestError("deltas: epoch (str), seq (int), entries (list) expected")
-        for e in entries:
-            if not (isinstance(e, list) and len(e) == 6 and e[0] in ("add", "del")):
-                raise BadRequestError("deltas: each entry is [op, key, size, segment, offset, "
-                                      "checksum]")  # fmt: skip
-        self._apply(epoch, seq, entries)
+        self._apply(epoch, seq, entries)  # each entry checked (IndexDelta.from_wire) first
         return True
 
     def copy(self, src: str, src_offset: int, dst: str, dst_offset: int, size: int) -> bool:

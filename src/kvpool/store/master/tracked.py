@@ -11,6 +11,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from kvpool.config import MasterConfig
+from kvpool.protocol.store import IndexDelta
 from kvpool.store.master.objects import ObjectMeta, ObjectState, Replica
 from kvpool.store.master.state import MasterState
 
@@ -33,8 +34,8 @@ class TrackedState(MasterState):
         self._stream_count = 0
         self.on_delta: Callable[[str], None] | None = None  # a node has new deltas (a nudge)
 
-    def _delta(self, node_id: str, entry: list) -> None:
-        self.deltas[node_id].append(entry)
+    def _delta(self, node_id: str, delta: IndexDelta) -> None:
+        self.deltas[node_id].append(delta.to_wire())  # queued as sent: resent until acked
         if self.on_delta is not None:
             self.on_delta(node_id)
 
@@ -75,7 +76,7 @@ class TrackedState(MasterState):
         super().put_end(key, put_id, checksum)
         meta = self.objects[key]
         for r in meta.replicas:
-            self._delta(r.node_id, ["add", key, meta.size, r.segment, r.offset, checksum])
+            self._delta(r.node_id, IndexDelta.add(key, meta.size, r.segment, r.offset, checksum))
 
     def delete(self, meta: ObjectMeta) -> None:
         self.on_retire(meta)
@@ -85,15 +86,15 @@ class TrackedState(MasterState):
         """``meta``'s replicas leave their nodes' indexes (deleted, or replaced by an upsert)."""
         if meta.state is ObjectState.COMPLETE:
             for r in meta.replicas:
-                self._delta(r.node_id, ["del", meta.key, 0, r.segment, r.offset, None])
+                self._delta(r.node_id, IndexDelta.delete(meta.key, r.segment, r.offset))
 
     def on_move(self, meta: ObjectMeta, old: Replica, new: Replica | None) -> None:
         if meta.state is not ObjectState.COMPLETE:
             return
-        self._delta(old.node_id, ["del", meta.key, 0, old.segment, old.offset, None])
+        self._delta(old.node_id, IndexDelta.delete(meta.key, old.segment, old.offset))
         if new is not None:
-            self._delta(new.node_id,
-                        ["add", meta.key, meta.size, new.segment, new.offset, meta.checksum])  # fmt: skip
+            self._delta(new.node_id, IndexDelta.add(meta.key, meta.size, new.segment, new.offset,
+                                                    meta.checksum))  # fmt: skip
 
     def drop_node(self, node_id: str) -> list[str]:
         self.deltas.pop(node_id, None)
