@@ -35,6 +35,7 @@ from kvpool.common.errors import (
     KVPoolError,
     NotFoundError,
     PayloadTooLargeError,
+    ProtocolError,
     RejectedError,
     UnavailableError,
 )
@@ -264,8 +265,7 @@ class Conductor:
         try:
             result = await asyncio.get_running_loop().run_in_executor(self._prefills, call)
             self.metrics.prefill.observe(time.perf_counter() - t0)
-            wire = result.get("kv_handle")
-            return int(result["cached_tokens"]), KVHandle.from_wire(wire) if wire else None
+            return int(result.get("cached_tokens") or 0), _handle(result.get("kv_handle"))
         except _CLIENT_FAULTS:
             raise  # the request is bad, not the worker: the client hears why
         except KVPoolError as exc:  # the decode worker will compute the prompt itself
@@ -273,6 +273,17 @@ class Conductor:
             if not isinstance(exc, RejectedError | BackpressureError):  # busy is not broken
                 self.cluster.mark_failed(w.view.id)
             return None, None
+
+
+def _handle(wire: object) -> KVHandle | None:
+    """The prefill's KV handle; a malformed one only means the decode side reads the pool."""
+    if not wire:
+        return None
+    try:
+        return KVHandle.from_wire(wire)
+    except ProtocolError as exc:
+        logger.warning("ignoring a malformed KV handle from a prefill worker: %s", exc)
+        return None
 
 
 def build_conductor_app(conductor: Conductor, api_keys: list[str] | tuple = (),

@@ -157,7 +157,10 @@ class Scheduler:
                     skipped.append(self.waiting.popleft())
                     continue
                 if ext and load_async:
-                    if self.kv.allocate(req, 0, prefix=hit.blocks, num_external=ext) is None:
+                    # every block of its prompt now: a loaded request must never wait for a
+                    # block that only other loaded (never preempted) requests hold
+                    rest = req.num_tokens - hit.num_tokens - ext
+                    if self.kv.allocate(req, rest, prefix=hit.blocks, num_external=ext) is None:
                         break
                     self.waiting.popleft()
                     self._start_load(req, hit.num_tokens, ext // self.kv.block_size)

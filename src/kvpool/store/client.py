@@ -274,7 +274,11 @@ class StoreClient:
         if failed:
             self._revoke_many(failed)
         if ends:
-            self._batched("batch_put_end", ends)
+            acked = self._batched("batch_put_end", ends)
+            done = [i for i in range(len(keys)) if results[i] is None]
+            for i, ok in zip(done, acked, strict=True):
+                if not ok:  # its put expired meanwhile (revoked at its deadline): not stored
+                    results[i] = KVPoolError(f"put of {keys[i]!r} expired before it ended")
         return results
 
     batch_put_from = batch_put

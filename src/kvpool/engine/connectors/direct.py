@@ -105,7 +105,8 @@ class DirectReads:
             n += 1
         return n
 
-    def read(self, handle: KVHandle, blocks: list[BlockRef], block_ids: list[int]) -> int:
+    def read(self, handle: KVHandle, blocks: list[BlockRef], block_ids: list[int],
+             timeout: float | None = None) -> int:  # fmt: skip
         """Read ``blocks`` (prompt blocks the handle holds) into ``block_ids``; how many leading
         ones arrived and verified."""
         src = {b.block_hash: b for b in handle.blocks}
@@ -119,7 +120,7 @@ class DirectReads:
         t0 = time.perf_counter()
         try:
             self.engine.expect_owner(handle.segment, handle.owner)
-            statuses = self.engine.transfer_statuses(reqs, self.timeout)
+            statuses = self.engine.transfer_statuses(reqs, timeout or self.timeout)
             took = time.perf_counter() - t0
             self._s_per_byte = 0.7 * self._s_per_byte + 0.3 * took / (n_ask * self.block_bytes)
         except KVPoolError as exc:  # the segment is gone (its worker died) or unreachable

@@ -106,6 +106,7 @@ class Prefetcher:
         self.max_loads = max_loads
         self.lookup_wait = lookup_wait  # past this, a request goes on with what is known
         self.lookup_grace = lookup_grace  # the step waits this long for a lookup's answer
+        self._grace_window, self._grace_left = -1.0, lookup_grace
         self._lock = threading.Lock()
         self._event = threading.Event()
         self._asked: dict[str, float] = {}  # request id -> when its lookup was queued
@@ -136,8 +137,14 @@ class Prefetcher:
                 answered = threading.Event()
                 self._lookups.put((request_id, hashes[n:], answered))
                 # a lookup takes a round trip to the master: worth a few milliseconds of this
-                # step, against a whole step of waiting for the next one
-                if not answered.wait(self.lookup_grace):
+                # step, against a whole step of waiting for the next one (at most
+                # ``lookup_grace`` per 50 ms however many requests arrive)
+                if now - self._grace_window > 0.05:
+                    self._grace_window, self._grace_left = now, self.lookup_grace
+                t0 = time.monotonic()
+                got = self._grace_left > 0 and answered.wait(self._grace_left)
+                self._grace_left -= time.monotonic() - t0
+                if not got:
                     return None
                 n, final = self.view.leading(hashes)
             elif now - asked < self.lookup_wait:
@@ -223,8 +230,8 @@ class Prefetcher:
                 took = time.perf_counter() - t0
                 self.load_seconds += took
                 self.loads += 1
-                if self._on_loaded is not None:
-                    self._on_loaded(len(job.blocks), took)
+                if self._on_loaded is not None and job.source is None and n == len(job.blocks):
+                    self._on_loaded(n, took)  # whole pool loads only: the cost model's samples
                 hashes = [b.block_hash for b in job.blocks]
                 self.view.mark(hashes[:n], True)
                 self.view.mark(hashes[n : n + 1], False)

@@ -38,6 +38,7 @@ from kvpool.protocol.kv_object import block_key, header_size, header_tokens, pac
 
 logger = logging.getLogger(__name__)
 SYNC_SHARE = 0.2  # a load predicted under this share of the running step is done inside it
+QUICK_TIMEOUT = 0.25  # seconds a direct read inside the step may take before the pool is asked
 
 
 @dataclass(slots=True)
@@ -146,6 +147,7 @@ class StoreConnector(KVConnector):
         if not hashes:
             return 0, False
         rid = request.request_id
+        self._sync_sources.clear()  # only the request asked now may load inside this step
         handle = getattr(request, "kv_handle", None)
         if handle is not None and self.direct is not None:  # the prefill worker holds them
             n = self.direct.usable(handle, request.block_hashes[:max_blocks],
@@ -253,17 +255,19 @@ class StoreConnector(KVConnector):
         """A load inside the step: the synchronous path, or a quick one (``_quick``)."""
         source = self._sync_sources.pop(blocks[0].block_hash, None) if blocks else None
         t0 = time.perf_counter()
-        n = self._load_now(blocks, block_ids, source)
+        n = self._load_now(blocks, block_ids, source, quick=True)
         if source is None and self.policy is not None and n:
             self.policy.observe_load(len(blocks), time.perf_counter() - t0)
         return n
 
-    def _load_now(self, blocks: list[BlockRef], block_ids: list[int], source=None) -> int:
+    def _load_now(self, blocks: list[BlockRef], block_ids: list[int], source=None,
+                  quick: bool = False) -> int:  # fmt: skip
         """Fill ``block_ids``: from the engine a KV handle (``source``) names where it can,
-        the rest from the pool; how many leading blocks arrived."""
+        the rest from the pool; how many leading blocks arrived. ``quick``: inside the step,
+        so a direct read gets a short deadline (a dead peer must not hold the step)."""
         n = 0
         if source is not None and self.direct is not None:
-            n = self.direct.read(source, blocks, block_ids)
+            n = self.direct.read(source, blocks, block_ids, QUICK_TIMEOUT if quick else None)
             self.stats.loaded_blocks += n
             self.stats.loaded_bytes += n * self.block_bytes
             if n == len(blocks):

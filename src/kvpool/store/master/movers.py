@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from kvpool.common.errors import KVPoolError, RoomPendingError
-from kvpool.common.rpc import RpcClient
+from kvpool.common.rpc_pool import RpcPool
 from kvpool.store.master.objects import Replica
 from kvpool.store.master.view import MovesPending
 
@@ -31,9 +31,10 @@ class NodeMovers:
         self._addresses = addresses  # node id -> its RPC address (the master keeps it current)
         self._token = token
         self._lock = lock
-        self._clients: dict[str, RpcClient] = {}
+        self._clients: dict[str, RpcPool] = {}  # one connection per concurrent copy
         self._clients_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvpool-master-move")
+        # a few threads: the copies of one slow node do not hold up every other node's
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvpool-master-move")
 
     def now(self, src: Replica, dst: Replica, size: int) -> bool:
         address = self._addresses.get(src.node_id)
@@ -45,10 +46,16 @@ class NodeMovers:
         address = self._addresses.get(src.node_id)
 
         def run() -> None:
-            ok = address is not None and src.node_id == dst.node_id and \
-                self._copy(address, src, dst, size)  # fmt: skip
-            with self._lock:
-                done(ok)
+            ok = False
+            try:  # a node gone (or mounted elsewhere) since: no copy at all
+                ok = address is not None and src.node_id == dst.node_id and \
+                    self._addresses.get(src.node_id) == address and \
+                    self._copy(address, src, dst, size)  # fmt: skip
+            except Exception:  # a bug or a bad address must not leave the move unreported
+                logger.exception("master: moving %d bytes on %s failed", size, src.node_id)
+            finally:
+                with self._lock:
+                    done(ok)
 
         try:
             self._pool.submit(run)
@@ -59,8 +66,8 @@ class NodeMovers:
         with self._clients_lock:
             client = self._clients.get(address)
             if client is None:
-                client = self._clients[address] = RpcClient(address, self._token,
-                                                            timeout=COPY_TIMEOUT)  # fmt: skip
+                client = self._clients[address] = RpcPool(address, self._token,
+                                                          timeout=COPY_TIMEOUT)  # fmt: skip
         try:
             return bool(client.call("copy", src.segment, src.offset, dst.segment, dst.offset,
                                     size))  # fmt: skip

@@ -76,6 +76,9 @@ def evict(state: StateView, tier: Tier, need: int = 0,
     now = state.clock()
     cfg = state.config
     used, cap = usage(state, tier)
+    if state.moving and not state.drop_evicts:  # what offloads in flight free counts already
+        used -= sum(m.size * len(m.replicas_on(tier)) for k in state.moving
+                    if (m := state.objects.get(k)) is not None)  # fmt: skip
     target = min(cap * cfg.low_watermark, cap - need)
     victims = sorted(
         (

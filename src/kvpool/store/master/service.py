@@ -97,7 +97,7 @@ class MasterService:
         token: str | None = None,
         admin_token: str | None = None,
         commit_wait: float = 0.0,
-        move_wait: float = 10.0,
+        move_wait: float = 2.0,
     ) -> None:
         """``commit_wait`` > 0 (durable commits, for a master with a standby): a put_end
         answers once the nodes of the object hold its index delta (at most that many seconds),

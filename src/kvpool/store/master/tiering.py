@@ -72,8 +72,9 @@ def promote(state: StateView, meta: ObjectMeta, now: float) -> None:
         meta.cooldown_until = now + state.config.cooldown
         if state.mover_async is not None:
             _begin(state, meta.key)
+            segs = (state.segments.get(src.segment), dram)
             state.mover_async(src, dst, meta.size, functools.partial(_promoted, state, meta, src,
-                                                                     dst))  # fmt: skip
+                                                                     dst, segs))  # fmt: skip
             return
         assert state.mover is not None
         if not state.mover(src, dst, meta.size):
@@ -85,10 +86,11 @@ def promote(state: StateView, meta: ObjectMeta, now: float) -> None:
         return
 
 
-def _promoted(state: StateView, meta: ObjectMeta, src: Replica, dst: Replica, ok: bool) -> None:
+def _promoted(state: StateView, meta: ObjectMeta, src: Replica, dst: Replica, segs: tuple,
+              ok: bool) -> None:  # fmt: skip
     """A promotion's copy ended (the state's lock is held): swap the replicas if the object is
     still the one copied, else give the DRAM range back."""
-    if _applies(state, meta, src, dst, ok):
+    if _applies(state, meta, src, dst, segs, ok):
         _swap(state, meta, src, dst, state.clock())
         state.counters["promotions"] += 1
 
@@ -104,17 +106,19 @@ def offload_later(state: StateView, meta: ObjectMeta, now: float) -> bool:
         _begin(state, meta.key)
         started = True
         assert state.mover_async is not None
+        segs = (state.segments.get(src.segment), state.segments.get(dst.segment))
         state.mover_async(src, dst, meta.size, functools.partial(_offloaded, state, meta, src,
-                                                                 dst))  # fmt: skip
+                                                                 dst, segs))  # fmt: skip
     if started:
         meta.cooldown_until = now + state.config.cooldown
     return started
 
 
-def _offloaded(state: StateView, meta: ObjectMeta, src: Replica, dst: Replica, ok: bool) -> None:
+def _offloaded(state: StateView, meta: ObjectMeta, src: Replica, dst: Replica, segs: tuple,
+               ok: bool) -> None:  # fmt: skip
     """An offload's copy ended (the state's lock is held): the object now lives on SSD, its
     DRAM is free; if the copy failed it simply stays in DRAM."""
-    if _applies(state, meta, src, dst, ok):
+    if _applies(state, meta, src, dst, segs, ok):
         _swap(state, meta, src, dst, state.clock())
         state.counters["offloads"] += 1
 
@@ -123,18 +127,24 @@ def _begin(state: StateView, key: str) -> None:
     state.moving[key] = state.moving.get(key, 0) + 1
 
 
-def _applies(state: StateView, meta: ObjectMeta, src: Replica, dst: Replica, ok: bool) -> bool:
-    """Whether a finished copy is still wanted; if not, its destination range goes back."""
+def _applies(state: StateView, meta: ObjectMeta, src: Replica, dst: Replica, segs: tuple,
+             ok: bool) -> bool:  # fmt: skip
+    """Whether a finished copy is still wanted; if not, its destination range goes back. The
+    segments must be the very ones the copy started between (``segs``): a node that mounted
+    again meanwhile has new allocators under the same names."""
     left = state.moving.get(meta.key, 1) - 1
     if left > 0:
         state.moving[meta.key] = left
     else:
         state.moving.pop(meta.key, None)
-    if ok and state.objects.get(meta.key) is meta and meta.state is ObjectState.COMPLETE \
-            and src in meta.replicas and dst.segment in state.segments:  # fmt: skip
+    src_seg, dst_seg = segs
+    same_dst = dst_seg is not None and state.segments.get(dst.segment) is dst_seg
+    if ok and same_dst and state.segments.get(src.segment) is src_seg \
+            and state.objects.get(meta.key) is meta and meta.state is ObjectState.COMPLETE \
+            and any(r is src for r in meta.replicas):  # fmt: skip
         return True
-    if dst.segment in state.segments:
-        state.segments[dst.segment].allocator.free(dst.offset)
+    if same_dst:
+        dst_seg.allocator.free(dst.offset)
     return False
 
 
