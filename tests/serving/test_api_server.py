@@ -218,3 +218,29 @@ def test_internal_generate_rejects_bad_requests_with_400(client, body):
                     headers={"Content-Type": "application/json"})  # fmt: skip
     assert r.status_code == 400, r.text
     assert r.json()["error"]["type"]
+
+
+def test_internal_generate_takes_only_the_internal_bearer(tiny_engine_factory):
+    """With a cluster token, an API key opens /v1 but not the route that reads KV handles."""
+    from fastapi.testclient import TestClient
+
+    from kvpool.engine.async_engine import AsyncLLMEngine
+    from kvpool.serving.api_server import build_app
+
+    aeng = AsyncLLMEngine(tiny_engine_factory(num_threads=1)).start()
+    try:
+        app = build_app(aeng, "tiny", api_keys=["internal", "api-key"],
+                        internal_keys=["internal"])  # fmt: skip
+        body = {"request_id": "d", "kind": "completion", "token_ids": [5, 6, 7],
+                "params": {"max_tokens": 2}}  # fmt: skip
+        with TestClient(app, raise_server_exceptions=False) as c:
+            api = {"Authorization": "Bearer api-key"}
+            assert c.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 1},
+                          headers=api).status_code == 200  # fmt: skip
+            denied = c.post("/internal/generate", json=body, headers=api)
+            assert denied.status_code == 403 and denied.json()["error"]["type"]
+            ok = c.post("/internal/generate", json=body,
+                        headers={"Authorization": "Bearer internal"})  # fmt: skip
+            assert ok.status_code == 200, ok.text
+    finally:
+        aeng.shutdown()

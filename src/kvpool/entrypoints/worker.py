@@ -143,7 +143,9 @@ async def _main(args, config, token: str | None, parts: list) -> None:
     # the conductor relays with the internal bearer; clients of this worker use the API key
     keys = [k for k in (token and auth.internal_bearer(token), auth.api_key()) if k]
     limits = common.http_limits(args)
-    app = build_app(aeng, common.served_name(args), api_keys=keys, limits=limits)
+    internal = [auth.internal_bearer(token)] if token else []  # /internal/generate only
+    app = build_app(aeng, common.served_name(args), api_keys=keys, limits=limits,
+                    internal_keys=internal)  # fmt: skip
     ready = {"ready": True, **info, "store": args.store}
     await serve_http(app, limits, args.log_level, lambda: print(json.dumps(ready), flush=True),
                      sockets=[sock])  # fmt: skip

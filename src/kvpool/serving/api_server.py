@@ -8,6 +8,7 @@ away aborts its request, which frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -17,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvpool.common.errors import BadRequestError, KVPoolError, ProtocolError
+from kvpool.common.errors import BadRequestError, ForbiddenError, KVPoolError, ProtocolError
 from kvpool.engine.async_engine import AsyncLLMEngine
 from kvpool.engine.request import RequestOutput
 from kvpool.engine.sampling import SamplingParams
@@ -54,8 +55,10 @@ class _SSEResponse(StreamingResponse):
 class OpenAIServer:
     """Request handling behind the routes (one per app)."""
 
-    def __init__(self, aeng: AsyncLLMEngine, model_name: str) -> None:
+    def __init__(self, aeng: AsyncLLMEngine, model_name: str,
+                 internal_keys: list[str] | tuple = ()) -> None:  # fmt: skip
         self.model_name = model_name
+        self.internal_keys = tuple(internal_keys)
         self.metrics = ServerMetrics(aeng.engine.stats)
         self.client = EngineClient(aeng, self.metrics)
         self.created = int(time.time())
@@ -105,7 +108,14 @@ class OpenAIServer:
 
     async def internal_generate(self, request: Request) -> Response:
         """A request the conductor tokenized (``protocol.decode.DecodeRequest``): no second
-        tokenization; its KV handle lets the connector read the prefill worker's blocks."""
+        tokenization; its KV handle lets the connector read the prefill worker's blocks. With
+        ``internal_keys`` only the cluster's internal bearer may call it (a handle names
+        memory to read: not for API clients)."""
+        if self.internal_keys:
+            given = request.headers.get("authorization", "")
+            if not any(hmac.compare_digest(given.encode(), f"Bearer {k}".encode())
+                       for k in self.internal_keys):  # fmt: skip
+                raise ForbiddenError("/internal/generate takes the cluster's internal bearer")
         try:
             req = DecodeRequest.from_wire(json.loads(await request.body()))
             params = SamplingParams(**req.params)
@@ -204,13 +214,14 @@ class OpenAIServer:
 
 
 def build_app(aeng: AsyncLLMEngine, model_name: str, api_keys: list[str] | tuple = (),
-              limits: HttpLimits | None = None) -> FastAPI:  # fmt: skip
+              limits: HttpLimits | None = None,
+              internal_keys: list[str] | tuple = ()) -> FastAPI:  # fmt: skip
     """The OpenAI-compatible app over a started AsyncLLMEngine.
 
     With ``api_keys``, every request but ``/health`` needs ``Authorization: Bearer <one of
     them>``; ``limits``: the body size and time limits (default ``HttpLimits()``).
     """
-    server = OpenAIServer(aeng, model_name)
+    server = OpenAIServer(aeng, model_name, internal_keys)
     app = FastAPI(title="kvpool", summary="OpenAI-compatible server (single engine)")
     app.state.server = server
     install_error_handlers(app)
