@@ -90,13 +90,19 @@ def test_an_object_removed_during_its_promotion_gives_the_range_back(state):
     assert "k" not in s.objects and s.usage(Tier.DRAM)[0] == 0 and s.usage(Tier.SSD)[0] == 0
 
 
-def test_a_put_waits_for_the_offload_that_frees_its_dram(state):
+def held_offloads_full(state):
+    """Three 30 KiB objects in the 100 KiB DRAM, copies to SSD held: (state, mover)."""
     s, clock, later = state
     later.hold_offloads = True
     for i in range(3):
         m = s.put_start(f"k{i}", 30 * KiB)
         s.put_end(m.key, m.put_id, 0)
         clock.t += 10
+    return s, later
+
+
+def test_a_put_waits_for_the_offload_that_frees_its_dram(state):
+    s, later = held_offloads_full(state)
     with pytest.raises(MovesPending):  # 90 of 100 KiB: k0, k1 start moving (low mark 50)
         s.put_start("k3", 30 * KiB)
     assert s.objects["k0"].replicas[0].tier is Tier.DRAM  # readable where it was meanwhile
@@ -112,12 +118,7 @@ def test_a_put_waits_for_the_offload_that_frees_its_dram(state):
 
 
 def test_a_failed_offload_keeps_the_object_and_a_last_try_drops(state):
-    s, clock, later = state
-    later.hold_offloads = True
-    for i in range(3):
-        m = s.put_start(f"k{i}", 30 * KiB)
-        s.put_end(m.key, m.put_id, 0)
-        clock.t += 10
+    s, later = held_offloads_full(state)
     with pytest.raises(MovesPending):
         s.put_start("k3", 30 * KiB)
     for _, _, done in later.pending:
