@@ -44,7 +44,7 @@ def cmd_put(a) -> dict:
             acked.append(key)
         except KVPoolError:
             failed += 1
-    placement = {k: [r["node"] for r in (c.replicas(k) or {}).get("replicas", [])]
+    placement = {k: [r.node for r in getattr(c.replicas(k), "replicas", ())]
                  for k in acked}  # fmt: skip
     c.close()
     return {"acked": acked, "failed": failed, "placement": placement}

@@ -10,6 +10,7 @@ import pytest
 
 from kvpool.common.errors import LeaseExpiredError, NotFoundError
 from kvpool.config import MasterConfig
+from kvpool.protocol.store import ObjectDesc
 from kvpool.store import EmbeddedStore, StoreClient
 from kvpool.store.lease_cache import LeaseCache
 
@@ -72,11 +73,11 @@ def test_cache_bounds_and_switch():
     cache = LeaseCache(max_entries=3)
     now = time.monotonic()
     for i in range(5):
-        cache.put(f"k{i}", {"lease_ttl": 10.0, "size": i}, now)
+        cache.put(f"k{i}", ObjectDesc(f"k{i}", i, (), lease_ttl=10.0), now)
     assert [cache.get(f"k{i}") for i in range(2)] == [None, None]
-    assert cache.get("k4")["size"] == 4
-    cache.put("short", {"lease_ttl": 0.5}, now)  # shorter than the margin: not kept
+    assert cache.get("k4").size == 4
+    cache.put("short", ObjectDesc("short", 1, (), lease_ttl=0.5), now)  # under the margin
     assert cache.get("short") is None
     off = LeaseCache(enabled=False)
-    off.put("k", {"lease_ttl": 10.0}, now)
+    off.put("k", ObjectDesc("k", 1, (), lease_ttl=10.0), now)
     assert off.get("k") is None

@@ -23,9 +23,9 @@ from kvpool.common import auth
 from kvpool.common.errors import KVPoolError, NotFoundError, RoomPendingError
 from kvpool.common.rpc import error_from_body
 from kvpool.config import TransferConfig
+from kvpool.protocol.store import ObjectDesc, PutOptions
 from kvpool.store.lease_cache import LeaseCache
 from kvpool.store.link import MasterLink
-from kvpool.store.master.objects import PutOptions
 from kvpool.store.replica_io import ReplicaIO, requests
 from kvpool.transfer import Op, TransferEngine
 from kvpool.transfer.metadata import directory_for
@@ -93,7 +93,9 @@ class StoreClient:
         deadline = time.monotonic() + self.timeout
         while True:
             try:
-                meta = self.master.call("put_start", key, len(view), replicas, wire)
+                meta = ObjectDesc.from_wire(
+                    self.master.call("put_start", key, len(view), replicas, wire)
+                )
                 break
             except RoomPendingError:  # offloads are making room: ask again in a moment
                 if time.monotonic() > deadline:
@@ -102,9 +104,9 @@ class StoreClient:
         try:
             self.io.write(meta, [view])
         except KVPoolError:
-            self._revoke_many([[key, meta["put_id"]]])
+            self._revoke_many([[key, meta.put_id]])
             raise
-        self.master.call("put_end", key, meta["put_id"], self.io.checksum(key, [view]))
+        self.master.call("put_end", key, meta.put_id, self.io.checksum(key, [view]))
 
     put_from = put  # values are never copied on the way out: the engine sends from the buffer
 
@@ -112,7 +114,7 @@ class StoreClient:
         """The value of ``key``; ``NotFoundError`` if it does not exist."""
         for fresh in (False, True):
             meta, cached = self._meta(key, fresh)
-            buf = bytearray(meta["size"])
+            buf = bytearray(meta.size)
             try:
                 self.io.read(meta, [memoryview(buf)])
                 return bytes(buf)
@@ -127,24 +129,24 @@ class StoreClient:
         view = byte_view(buffer, writable=True)
         for fresh in (False, True):
             meta, cached = self._meta(key, fresh)
-            if meta["size"] > len(view):
-                raise KVPoolError(f"buffer of {len(view)} bytes too small for {meta['size']}")
+            if meta.size > len(view):
+                raise KVPoolError(f"buffer of {len(view)} bytes too small for {meta.size}")
             try:
-                self.io.read(meta, [view[: meta["size"]]])
-                return meta["size"]
+                self.io.read(meta, [view[: meta.size]])
+                return meta.size
             except NotFoundError:
                 if not cached:
                     raise
                 self.leases.drop(key)
         raise AssertionError("unreachable")
 
-    def _meta(self, key: str, fresh: bool = False) -> tuple[dict, bool]:
+    def _meta(self, key: str, fresh: bool = False) -> tuple[ObjectDesc, bool]:
         """(the object's replicas, whether they came from a lease this client holds)."""
         meta = None if fresh else self.leases.get(key)
         if meta is not None:
             return meta, True
         asked = time.monotonic()
-        meta = self.master.call("get", key)
+        meta = ObjectDesc.from_wire(self.master.call("get", key))
         self.leases.put(key, meta, asked)
         return meta, False
 
@@ -154,14 +156,14 @@ class StoreClient:
         missing = [i for i, m in enumerate(metas) if m is None]
         if missing:
             asked = time.monotonic()
-            got = self._batched("batch_get", [keys[i] for i in missing])
+            got = self._descs("batch_get", [keys[i] for i in missing])
             for i, m in zip(missing, got, strict=True):
                 metas[i] = m
                 self.leases.put(keys[i], m, asked)
         return metas, cached
 
     def get_size(self, key: str) -> int:
-        return int(self._meta(key)[0]["size"])
+        return self._meta(key)[0].size
 
     def exists(self, key: str) -> bool:
         return bool(self.master.call("exists", key))
@@ -170,20 +172,28 @@ class StoreClient:
         return self._batched("batch_exists", keys)
 
     def _put_starts(self, items: list, replicas: int | None, wire) -> list:
-        """``batch_put_start``, asking again for the items that got ``RoomPendingError``
-        (offloads are making room) until they get an answer or ``timeout`` passes."""
-        metas = self._batched("batch_put_start", items, replicas, wire)
+        """``batch_put_start``: per item the started put (an ``ObjectDesc``) or the
+        ``KVPoolError`` that refused it, asking again for the items that got
+        ``RoomPendingError`` (offloads are making room) until ``timeout`` passes."""
+        metas = self._started(self._batched("batch_put_start", items, replicas, wire))
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
-            again = [i for i, m in enumerate(metas)
-                     if "error" in m and m["error"].get("type") == "RoomPendingError"]  # fmt: skip
+            again = [i for i, m in enumerate(metas) if isinstance(m, RoomPendingError)]
             if not again:
                 break
             time.sleep(ROOM_RETRY_S)
-            for i, m in zip(again, self._batched("batch_put_start", [items[i] for i in again],
-                                                 replicas, wire), strict=True):  # fmt: skip
+            for i, m in zip(again, self._started(self._batched(
+                    "batch_put_start", [items[i] for i in again], replicas, wire)), strict=True):  # fmt: skip
                 metas[i] = m
         return metas
+
+    @staticmethod
+    def _started(answers: list) -> list:
+        return [error_from_body(a["error"]) if isinstance(a, dict) and "error" in a
+                else ObjectDesc.from_wire(a) for a in answers]  # fmt: skip
+
+    def _descs(self, method: str, keys: list[str]) -> list[ObjectDesc | None]:
+        return [ObjectDesc.maybe(m) for m in self._batched(method, keys)]
 
     def _batched(self, method: str, items: list, *args) -> list:
         """A batch call cut into master calls of at most ``BATCH`` items."""
@@ -209,9 +219,9 @@ class StoreClient:
         self.leases.clear()
         return int(self.master.call("remove_matching", pattern, force))
 
-    def replicas(self, key: str) -> dict | None:
+    def replicas(self, key: str) -> ObjectDesc | None:
         """Where ``key``'s replicas are (node, segment, offset, tier, owner), or None."""
-        return self.master.call("replicas", key)
+        return ObjectDesc.maybe(self.master.call("replicas", key))
 
     def get_ranges(self, key: str, ranges: list[tuple[int, object]]) -> int:
         """Read byte ranges of ``key``: ``[(offset in the value, destination buffer), ...]``
@@ -219,7 +229,7 @@ class StoreClient:
         checked against the value's checksum: only whole values are."""
         meta, _ = self._meta(key)
         self.io.read_ranges(meta, [(off, byte_view(buf, writable=True)) for off, buf in ranges])
-        return int(meta["size"])
+        return meta.size
 
     def stats(self) -> dict:
         return self.master.call("stats")
@@ -246,13 +256,11 @@ class StoreClient:
         results: list = [None] * len(keys)
         reqs, owners = [], []
         for i, (meta, ps) in enumerate(zip(metas, parts, strict=True)):
-            if "error" in meta:
-                results[i] = error_from_body(meta["error"])
+            if isinstance(meta, KVPoolError):
+                results[i] = meta
                 continue
             try:
-                batch = [
-                    q for r in meta["replicas"] for q in requests(Op.WRITE, ps, r, self.engine)
-                ]
+                batch = [q for r in meta.replicas for q in requests(Op.WRITE, ps, r, self.engine)]
             except KVPoolError as exc:  # this item only (its put is revoked below)
                 results[i] = exc
                 continue
@@ -267,10 +275,10 @@ class StoreClient:
         for i, status in zip(owners if statuses else [], statuses, strict=True):
             if not status.ok and results[i] is None:
                 results[i] = status.error
-        ends = [[keys[i], metas[i]["put_id"], self.io.checksum(keys[i], parts[i])]
+        ends = [[keys[i], metas[i].put_id, self.io.checksum(keys[i], parts[i])]
                 for i in range(len(keys)) if results[i] is None]  # fmt: skip
-        failed = [[keys[i], metas[i]["put_id"]]
-                  for i in range(len(keys)) if results[i] is not None and "error" not in metas[i]]  # fmt: skip
+        failed = [[keys[i], metas[i].put_id] for i in range(len(keys))
+                  if results[i] is not None and isinstance(metas[i], ObjectDesc)]  # fmt: skip
         if failed:
             self._revoke_many(failed)
         if ends:
@@ -292,8 +300,8 @@ class StoreClient:
         ``bytearray``); None for a missing one."""
         bufs: dict[int, object] = {}
 
-        def views_for(meta: dict, i: int) -> list:
-            bufs[i] = make(meta["size"])
+        def views_for(meta: ObjectDesc, i: int) -> list:
+            bufs[i] = make(meta.size)
             return [memoryview(bufs[i])]  # type: ignore[arg-type]
 
         _, ok = self._batch_read(keys, views_for)
@@ -303,22 +311,22 @@ class StoreClient:
         """Read many straight into buffers; per key the size read, or -1 when missing."""
         views = [byte_view(b, writable=True) for b in buffers]
 
-        def views_for(meta: dict, i: int) -> list | None:
-            return [views[i][: meta["size"]]] if meta["size"] <= len(views[i]) else None
+        def views_for(meta: ObjectDesc, i: int) -> list | None:
+            return [views[i][: meta.size]] if meta.size <= len(views[i]) else None
 
         metas, ok = self._batch_read(keys, views_for)
-        return [m["size"] if good else -1 for m, good in zip(metas, ok, strict=True)]
+        return [m.size if good else -1 for m, good in zip(metas, ok, strict=True)]
 
     def batch_get_into_parts(self, keys: list[str], buffers: list[list]) -> list[int]:
         """Read many, each into a list of buffers that together are exactly its size (e.g. a
         header buffer and a slice of a KV tensor); per key the size read, or -1."""
         parts = [[byte_view(b, writable=True) for b in bs] for bs in buffers]
 
-        def views_for(meta: dict, i: int) -> list | None:
-            return parts[i] if meta["size"] == sum(len(p) for p in parts[i]) else None
+        def views_for(meta: ObjectDesc, i: int) -> list | None:
+            return parts[i] if meta.size == sum(len(p) for p in parts[i]) else None
 
         metas, ok = self._batch_read(keys, views_for)
-        return [m["size"] if good else -1 for m, good in zip(metas, ok, strict=True)]
+        return [m.size if good else -1 for m, good in zip(metas, ok, strict=True)]
 
     def _batch_read(self, keys: list[str], views_for) -> tuple[list, list[bool]]:
         """Read many (``views_for(meta, i)``: where object ``i`` goes, or None to skip it);
@@ -329,7 +337,7 @@ class StoreClient:
         stale = [i for i, (c, good) in enumerate(zip(cached, ok, strict=True)) if c and not good]
         if stale:
             asked = time.monotonic()
-            fresh = self._batched("batch_get", [keys[i] for i in stale])
+            fresh = self._descs("batch_get", [keys[i] for i in stale])
             for i, m in zip(stale, fresh, strict=True):
                 self.leases.drop(keys[i])
                 self.leases.put(keys[i], m, asked)

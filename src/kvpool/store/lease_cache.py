@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
+from kvpool.protocol.store import ObjectDesc
+
 
 class LeaseCache:
     def __init__(self, enabled: bool = True, margin_s: float = 1.0,
@@ -21,11 +23,11 @@ class LeaseCache:
         self.enabled = enabled
         self.margin_s = margin_s
         self.max_entries = max_entries
-        self._entries: OrderedDict[str, tuple[float, dict]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[float, ObjectDesc]] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
-    def get(self, key: str) -> dict | None:
+    def get(self, key: str) -> ObjectDesc | None:
         if not self.enabled:
             return None
         entry = self._entries.get(key)
@@ -37,11 +39,11 @@ class LeaseCache:
         self.misses += 1
         return None
 
-    def put(self, key: str, meta: dict | None, asked_at: float) -> None:
+    def put(self, key: str, meta: ObjectDesc | None, asked_at: float) -> None:
         """Remember ``meta`` of a get sent at ``asked_at`` (``time.monotonic()``)."""
-        if not self.enabled or not meta or not meta.get("lease_ttl"):
+        if not self.enabled or meta is None or not meta.lease_ttl:
             return
-        until = asked_at + float(meta["lease_ttl"]) - self.margin_s
+        until = asked_at + meta.lease_ttl - self.margin_s
         if until <= time.monotonic():
             return
         self._entries[key] = (until, meta)

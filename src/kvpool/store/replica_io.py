@@ -8,22 +8,24 @@ import logging
 from collections.abc import Callable
 
 from kvpool.common.errors import BadRequestError, KVPoolError, NotFoundError, TransferError
+from kvpool.protocol.store import ObjectDesc, ReplicaDesc
 from kvpool.store.integrity import checksum_parts
 from kvpool.transfer import Op, TransferEngine, TransferRequest
 
 logger = logging.getLogger("kvpool.store.client")
 
 
-def requests(op: Op, parts: list, replica: dict, engine: TransferEngine) -> list[TransferRequest]:
+def requests(op: Op, parts: list, replica: ReplicaDesc,
+             engine: TransferEngine) -> list[TransferRequest]:  # fmt: skip
     """One request per non-empty part, at consecutive offsets of the replica (``engine``
     forgets a cached descriptor of its segment that another owner published: a node that
     restarted)."""
-    if replica.get("owner"):
-        engine.expect_owner(replica["segment"], replica["owner"])
-    out, off = [], replica["offset"]
+    if replica.owner:
+        engine.expect_owner(replica.segment, replica.owner)
+    out, off = [], replica.offset
     for p in parts:
         if len(p):  # an empty part (a header-only value's data, say) moves nothing
-            out.append(TransferRequest(op, p, replica["segment"], off))
+            out.append(TransferRequest(op, p, replica.segment, off))
             off += len(p)
     return out
 
@@ -42,41 +44,41 @@ class ReplicaIO:
     def checksum(self, key: str, parts: list) -> int:
         return checksum_parts(parts, key, self._mac_key)
 
-    def verified(self, meta: dict, parts: list) -> bool:
-        want = meta["checksum"]
-        return want is not None and self.checksum(meta["key"], parts) == want
+    def verified(self, meta: ObjectDesc, parts: list) -> bool:
+        want = meta.checksum
+        return want is not None and self.checksum(meta.key, parts) == want
 
-    def write(self, meta: dict, parts: list) -> None:
+    def write(self, meta: ObjectDesc, parts: list) -> None:
         """``parts`` (concatenated) into every replica of a started put; raises on failure."""
-        reqs = [q for r in meta["replicas"] for q in requests(Op.WRITE, parts, r, self.engine)]
+        reqs = [q for r in meta.replicas for q in requests(Op.WRITE, parts, r, self.engine)]
         self.engine.transfer(reqs, timeout=self.timeout)
 
-    def read(self, meta: dict, parts: list) -> None:
+    def read(self, meta: ObjectDesc, parts: list) -> None:
         """The value into ``parts`` from the first replica that reads and verifies;
         ``NotFoundError`` when none does."""
         last: Exception | None = None
         unreachable = []
-        for r in meta["replicas"]:
+        for r in meta.replicas:
             try:
                 self.engine.transfer(requests(Op.READ, parts, r, self.engine), self.timeout)
             except KVPoolError as exc:
                 last = exc
-                unreachable.append(r["node"])
+                unreachable.append(r.node)
                 continue
             if self.verified(meta, parts):
                 return
-            last = TransferError(f"checksum mismatch reading {meta['key']} from {r['node']}")
+            last = TransferError(f"checksum mismatch reading {meta.key} from {r.node}")
         if unreachable and self._on_unreachable is not None:
             self._on_unreachable(unreachable)
-        raise NotFoundError(f"key {meta['key']!r}: no readable replica ({last})")
+        raise NotFoundError(f"key {meta.key!r}: no readable replica ({last})")
 
     def read_many(self, metas: list, views: list) -> list[bool]:
         """One batch of READs from each object's first replica; stragglers retried singly.
         ``views[i]`` is the list of buffers object ``i`` is read into (None: skip it)."""
-        picks = [(i, m) for i, m in enumerate(metas) if m and views[i] is not None]
+        picks = [(i, m) for i, m in enumerate(metas) if m and m.replicas and views[i] is not None]
         reqs, owners = [], []
         for i, m in picks:
-            batch = requests(Op.READ, views[i], m["replicas"][0], self.engine)
+            batch = requests(Op.READ, views[i], m.replicas[0], self.engine)
             reqs.extend(batch)
             owners.extend([i] * len(batch))
         try:
@@ -99,21 +101,21 @@ class ReplicaIO:
                 pass
         return ok
 
-    def read_ranges(self, meta: dict, views: list[tuple[int, memoryview]]) -> None:
+    def read_ranges(self, meta: ObjectDesc, views: list[tuple[int, memoryview]]) -> None:
         """Byte ranges ``[(offset in the value, buffer), ...]`` from the first replica that
         serves them (not verified: only whole values can be); ``NotFoundError`` otherwise."""
-        if any(off < 0 or off + len(v) > meta["size"] for off, v in views):
-            raise BadRequestError(f"a range is outside the {meta['size']}-byte value of "
-                                  f"{meta['key']!r}")  # fmt: skip
+        if any(off < 0 or off + len(v) > meta.size for off, v in views):
+            raise BadRequestError(f"a range is outside the {meta.size}-byte value of "
+                                  f"{meta.key!r}")  # fmt: skip
         last: Exception | None = None
-        for r in meta["replicas"]:
-            if r.get("owner"):
-                self.engine.expect_owner(r["segment"], r["owner"])
-            reqs = [TransferRequest(Op.READ, v, r["segment"], r["offset"] + off)
+        for r in meta.replicas:
+            if r.owner:
+                self.engine.expect_owner(r.segment, r.owner)
+            reqs = [TransferRequest(Op.READ, v, r.segment, r.offset + off)
                     for off, v in views if len(v)]  # fmt: skip
             try:
                 self.engine.transfer(reqs, timeout=self.timeout)
                 return
             except KVPoolError as exc:
                 last = exc
-        raise NotFoundError(f"key {meta['key']!r}: no readable replica ({last})")
+        raise NotFoundError(f"key {meta.key!r}: no readable replica ({last})")

@@ -18,9 +18,9 @@ from kvpool.integrations.mooncake.tensor_api import Tensors
 from kvpool.integrations.mooncake.types import ReplicateConfig, mooncake_size
 from kvpool.integrations.mooncake.values import Values
 from kvpool.integrations.mooncake.zerocopy import ZeroCopy
+from kvpool.protocol.store import PutOptions
 from kvpool.store.client import StoreClient
 from kvpool.store.client import transfer_config as with_master
-from kvpool.store.master.objects import PutOptions
 from kvpool.store.node import StorageNode
 from kvpool.transfer import TransferEngine
 

@@ -8,7 +8,7 @@ import enum
 import re
 from dataclasses import dataclass, field
 
-from kvpool.store.master.objects import PutOptions
+from kvpool.protocol.store import ObjectDesc, PutOptions
 
 
 class SoftPinAction(enum.Enum):
@@ -113,13 +113,13 @@ class ReplicaDescriptor:
         raise RuntimeError("kvpool's SSD tier is memory-mapped: no disk descriptor")
 
 
-def replica_descriptors(meta: dict | None) -> list[ReplicaDescriptor]:
+def replica_descriptors(meta: ObjectDesc | None) -> list[ReplicaDescriptor]:
     """The descriptors of an object as the master describes it (``StoreClient.replicas``)."""
-    out = []
-    for r in (meta or {}).get("replicas", []):
-        d = Descriptor(int(meta["size"]), int(r["offset"]), str(r["node"]))
-        out.append(ReplicaDescriptor(ReplicaStatus.COMPLETE, MemoryDescriptor(d), r["tier"]))
-    return out
+    if meta is None:
+        return []
+    return [ReplicaDescriptor(ReplicaStatus.COMPLETE,
+                              MemoryDescriptor(Descriptor(meta.size, r.offset, r.node)), r.tier)
+            for r in meta.replicas]  # fmt: skip
 
 
 class BufferHandle(bytearray):

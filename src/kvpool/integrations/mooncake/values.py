@@ -7,6 +7,7 @@ from typing import Any
 
 from kvpool.integrations.mooncake.codes import OK, put_code
 from kvpool.integrations.mooncake.types import BufferHandle, replica_descriptors
+from kvpool.protocol.store import ObjectDesc
 from kvpool.transfer.segment import byte_view
 
 
@@ -82,7 +83,7 @@ class Values:
     def get_replica_desc(self, key: str) -> list:
         """The replicas of ``key`` (``[]`` when it is missing)."""
         meta = self._call("get_replica_desc", lambda c: c.replicas(key))
-        return replica_descriptors(meta) if isinstance(meta, dict) else []
+        return replica_descriptors(meta) if isinstance(meta, ObjectDesc) else []
 
     def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list]:
         """``{key: replicas}`` for the keys that exist."""

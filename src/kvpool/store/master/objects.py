@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from kvpool.protocol.store import PutOptions  # noqa: F401 - the master's modules use it from here
+
 
 class Tier(StrEnum):
     DRAM = "dram"
@@ -25,10 +27,6 @@ class Replica:
     segment: str  # the node's segment name (DRAM: a transfer-engine segment; SSD: its tier id)
     offset: int
     tier: Tier
-
-    def to_wire(self) -> dict:
-        return {"node": self.node_id, "segment": self.segment, "offset": self.offset,
-                "tier": self.tier.value}  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -78,42 +76,3 @@ class ObjectMeta:
 
     def replicas_on(self, tier: Tier) -> list[Replica]:
         return [r for r in self.replicas if r.tier is tier]
-
-
-@dataclass(frozen=True, slots=True)
-class PutOptions:
-    """How to store a new object (Mooncake's ``ReplicateConfig``, less what needs RDMA)."""
-
-    upsert: bool = False  # replace an existing object (its readers keep the old one's bytes)
-    preferred: tuple[str, ...] = ()  # node ids or segment names tried first
-    soft_pin: bool = False  # evicted only when nothing else can go ...
-    pin_ttl: float | None = None  # ... for this many seconds (None: as long as it lives)
-    hard_pin: bool = False  # never evicted
-
-    @classmethod
-    def from_wire(cls, value: object) -> PutOptions:
-        """From ``{"upsert", "preferred", "soft_pin", "pin_ttl", "hard_pin"}`` (all optional);
-        ValueError for anything else."""
-        if value is None:
-            return cls()
-        if not isinstance(value, dict) or set(value) - set(cls.__slots__):
-            raise ValueError(f"put options are a map of {sorted(cls.__slots__)}")
-        preferred = value.get("preferred") or ()
-        if (
-            not isinstance(preferred, list | tuple)
-            or len(preferred) > 64
-            or not all(isinstance(p, str) and 0 < len(p) <= 255 for p in preferred)
-        ):
-            raise ValueError("preferred must be a list of at most 64 node or segment names")
-        ttl = value.get("pin_ttl")
-        if ttl is not None and not (isinstance(ttl, int | float) and not isinstance(ttl, bool)
-                                    and 0 < ttl <= 1e9):  # fmt: skip
-            raise ValueError("pin_ttl must be a number of seconds > 0")
-        flags = {k: value.get(k, False) for k in ("upsert", "soft_pin", "hard_pin")}
-        if not all(isinstance(v, bool) for v in flags.values()):
-            raise ValueError("upsert, soft_pin and hard_pin are booleans")
-        return cls(preferred=tuple(preferred), pin_ttl=ttl, **flags)
-
-    def to_wire(self) -> dict:
-        return {"upsert": self.upsert, "preferred": list(self.preferred),
-                "soft_pin": self.soft_pin, "pin_ttl": self.pin_ttl, "hard_pin": self.hard_pin}  # fmt: skip

@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from kvpool.config import MasterConfig
-from kvpool.protocol.store import IndexDelta
+from kvpool.protocol.store import IndexDelta, ObjectDesc, ReplicaDesc
 from kvpool.store.master.objects import ObjectMeta, ObjectState, Replica
 from kvpool.store.master.state import MasterState
 
@@ -39,20 +39,24 @@ class TrackedState(MasterState):
         if self.on_delta is not None:
             self.on_delta(node_id)
 
-    def wire(self, meta: ObjectMeta, lease_ttl: float = 0.0) -> dict:
+    def describe(self, meta: ObjectMeta, lease_ttl: float = 0.0,
+                 put_id: int | None = None) -> ObjectDesc:  # fmt: skip
         """An object as the client sees it: its replicas, each with the incarnation of the
         process that owns its segment (so a client never writes or reads through a
         descriptor of a previous life of that node)."""
         replicas = []
         for r in meta.replicas:
             seg = self.segments.get(r.segment)
-            replicas.append({**r.to_wire(), "owner": seg.owner if seg is not None else ""})
-        return {"key": meta.key, "size": meta.size, "replicas": replicas,
-                "checksum": meta.checksum, "lease_ttl": lease_ttl}  # fmt: skip
+            replicas.append(ReplicaDesc(r.node_id, r.segment, r.offset, r.tier.value,
+                                        seg.owner if seg is not None else ""))  # fmt: skip
+        return ObjectDesc(meta.key, meta.size, tuple(replicas), meta.checksum, lease_ttl, put_id)
+
+    def wire(self, meta: ObjectMeta, lease_ttl: float = 0.0) -> dict:
+        return self.describe(meta, lease_ttl).to_wire()
 
     def started(self, meta: ObjectMeta) -> dict:
         """What put_start answers: where to write, and the put id that ends (or revokes) it."""
-        return {**self.wire(meta), "put_id": meta.put_id}
+        return self.describe(meta, put_id=meta.put_id).to_wire()
 
     def stream_epoch(self, node_id: str) -> str:
         """The epoch of the node's current delta stream (what its acks must name)."""
