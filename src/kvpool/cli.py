@@ -6,12 +6,12 @@ import argparse
 import sys
 
 from kvpool import __version__
-from kvpool.bench import cli as bench_cli
+from kvpool.entrypoints import bench as bench_cli
 from kvpool.entrypoints import conductor as conductor_cli
 from kvpool.entrypoints import serve as cli_serve
+from kvpool.entrypoints import store as store_cli
+from kvpool.entrypoints import transfer as transfer_cli
 from kvpool.entrypoints import worker as worker_cli
-from kvpool.store import cli as store_cli
-from kvpool.transfer import cli as transfer_cli
 
 
 def _export_hf(args: argparse.Namespace) -> int:

@@ -1,9 +1,21 @@
-"""Configuration: one dataclass per subsystem, composed (DESIGN.md §4)."""
+"""Configuration: one dataclass per subsystem, composed (DESIGN.md §4).
+
+Subsystems: ``EngineConfig``, ``TransferConfig``, ``MasterConfig``, ``HttpLimits``. Processes:
+``WorkerConfig`` (a ``kvpool worker``), ``NodeConfig`` (a ``kvpool store node``),
+``ConductorConfig`` (the front door) and ``ClusterConfig`` (``kvpool serve``'s embedded
+cluster, which hands each child its config). ``to_wire`` / ``from_wire`` turn any of them into
+plain JSON-able data and back, checking every key (the launcher sends its children configs
+that way, not re-serialized flags).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, field
+
+from kvpool.protocol.cluster import ROLES
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -172,3 +184,170 @@ class MasterConfig:
             raise ValueError("node_suspect_after must be <= node_ttl")
         if self.cooldown < 0 or self.max_object_bytes < 1:
             raise ValueError("cooldown must be >= 0 and max_object_bytes >= 1")
+
+
+@dataclass(slots=True)
+class HttpLimits:
+    """Limits before work of kvpool's HTTP servers (``serving/http_limits.py`` applies them)."""
+
+    max_body_bytes: int | str = "4MiB"
+    max_connections: int = 512  # connections and requests at once (uvicorn's limit_concurrency)
+    header_timeout: float = 10.0  # seconds to send the request headers
+    body_timeout: float = 30.0  # seconds to send the body
+
+    def __post_init__(self) -> None:
+        self.max_body_bytes = parse_size(self.max_body_bytes)
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be at least 1 KiB")
+        if self.max_connections < 1:
+            raise ValueError("max_connections must be >= 1")
+        if self.header_timeout <= 0 or self.body_timeout <= 0:
+            raise ValueError("header_timeout and body_timeout must be > 0")
+
+
+KV_LOADS = ("async", "sync")
+FETCH_POLICIES = ("auto", "always")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _check_log_level(level: str) -> None:
+    if level.lower() not in LOG_LEVELS:
+        raise ValueError(f"log_level must be one of {LOG_LEVELS}")
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    """One engine process of the cluster (``kvpool worker``)."""
+
+    role: str = "both"
+    worker_id: str | None = None  # default: <role>-<pid>
+    host: str = "127.0.0.1"
+    port: int = 0  # HTTP (0: a free one)
+    rpc_port: int = 0  # control RPC (0: a free one)
+    store: str | None = None  # the pool's master HOST:PORT or etcd://... (None: no pool)
+    transport: str = "auto"
+    directory: str | None = None  # segment directory (default: etcd's if etcd, else the master's)
+    etcd: str | None = None  # endpoints to register in
+    pool_timeout: float = 3.0  # seconds a load or save may wait for the pool
+    kv_load: str = "async"  # async: prefix loads run while other requests step
+    fetch_policy: str = "auto"  # auto: load a prefix only when faster than recomputing it
+    log_level: str = "info"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    http: HttpLimits = field(default_factory=HttpLimits)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}")
+        if self.transport not in TRANSPORT_CHOICES:
+            raise ValueError(f"transport must be one of {TRANSPORT_CHOICES}")
+        if self.kv_load not in KV_LOADS or self.fetch_policy not in FETCH_POLICIES:
+            raise ValueError(f"kv_load must be one of {KV_LOADS}, fetch_policy one of "
+                             f"{FETCH_POLICIES}")  # fmt: skip
+        if not self.pool_timeout > 0:
+            raise ValueError("pool_timeout must be > 0")
+        for port in (self.port, self.rpc_port):
+            if not 0 <= port <= 65535:
+                raise ValueError("ports must be in [0, 65535]")
+        _check_log_level(self.log_level)
+
+
+@dataclass(slots=True)
+class NodeConfig:
+    """One storage node of the pool (``kvpool store node``)."""
+
+    master: str = ""  # HOST:PORT or etcd://...
+    memory: int | str = "512MiB"  # its DRAM tier
+    ssd_path: str | None = None  # directory of its SSD tier (None: no SSD tier)
+    ssd_size: int | str = 0
+    node_id: str | None = None  # default: <hostname>-<pid>
+    host: str = "127.0.0.1"  # where its transfer server binds
+    directory: str | None = None  # default: the master's
+    metrics_port: int | None = None
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        self.memory = parse_size(self.memory)
+        self.ssd_size = parse_size(self.ssd_size)
+        if self.memory < 1:
+            raise ValueError("memory must be > 0")
+        _check_log_level(self.log_level)
+
+
+@dataclass(slots=True)
+class ConductorConfig:
+    """The front door and global scheduler (``kvpool conductor``, and inside ``kvpool serve``)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: list[str] = field(default_factory=list)  # control RPC addresses (or etcd)
+    etcd: str | None = None  # where workers register
+    store: str | None = None  # the pool's master (its hit counts feed the dashboard)
+    model: str | None = None  # whose tokenizer to load (None: the default model)
+    served_model_name: str = "SmolLM2-135M-Instruct"
+    policy: str = "cache_aware"
+    balancing_threshold: float = 0.25
+    slo_ttft: float = 30.0  # seconds (0: off)
+    slo_tbt: float = 2.0  # seconds (0: off)
+    decode_prefill_tokens: int = 64  # at most this many left: no prefill hand-off
+    max_inflight: int = 64  # requests in flight before 429
+    log_level: str = "info"
+    http: HttpLimits = field(default_factory=HttpLimits)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError("port must be in [0, 65535]")
+        if self.slo_ttft < 0 or self.slo_tbt < 0 or self.balancing_threshold < 0:
+            raise ValueError("slo_ttft, slo_tbt and balancing_threshold must be >= 0")
+        if self.decode_prefill_tokens < 0 or self.max_inflight < 1:
+            raise ValueError("decode_prefill_tokens must be >= 0 and max_inflight >= 1")
+        _check_log_level(self.log_level)
+
+
+@dataclass(slots=True)
+class ClusterConfig:
+    """``kvpool serve``'s embedded cluster: the pool (a master and one node), the workers and
+    the conductor in front of them."""
+
+    prefill: int = 1
+    decode: int = 1
+    colocated: int = 0  # N workers doing both with local prefix caching only (no pool)
+    store_memory: int | str = "1GiB"  # the node's DRAM
+    prefill_chunk: int = 128  # prefill workers' tokens per step (0: max_num_batched_tokens)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    conductor: ConductorConfig = field(default_factory=ConductorConfig)
+
+    def __post_init__(self) -> None:
+        self.store_memory = parse_size(self.store_memory)
+        if min(self.colocated, self.prefill, self.decode, self.prefill_chunk) < 0:
+            raise ValueError("worker counts and prefill_chunk must be >= 0")
+        if not self.colocated and self.prefill + self.decode < 1:
+            raise ValueError("start at least one worker")
+
+
+def to_wire(config: object) -> dict:
+    """A config as plain data (JSON or YAML)."""
+    return dataclasses.asdict(config)  # type: ignore[call-overload]
+
+
+C = typing.TypeVar("C")
+
+
+def from_wire(cls: type[C], data: object, where: str = "config") -> C:
+    """A config from plain data; ``ValueError`` naming any unknown key or bad value."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(map(str, data)) - names)
+    if unknown:
+        raise ValueError(f"{where}: unknown setting(s) {unknown} for {cls.__name__}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            value = from_wire(hint, value, f"{where}.{key}")  # type: ignore[arg-type]
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"{where}: {exc}") from None

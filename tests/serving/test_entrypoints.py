@@ -97,19 +97,59 @@ def test_cluster_config_file_fills_defaults_and_the_command_line_wins(tmp_path):
     serve.apply_config_file(args)
     assert args.prefill == 3  # the command line wins
     assert (args.store_memory, args.policy, args.prefill_chunk) == ("2GiB", "least_load", 64)
-    pool, workers = plan(args)
+    pool, workers = plan(serve.cluster_config(args))
     assert [c.name for c in pool] == ["store-master", "store-node"]
     assert [w.name for w in workers] == ["prefill-1", "prefill-2", "prefill-3", "decode-1"]
-    argv = workers[0].argv
-    last = len(argv) - 1 - argv[::-1].index("--max-num-batched-tokens")  # the last one wins
-    assert argv[last + 1] == "64"  # the prefill chunk
-    decode = workers[-1].argv
-    assert decode[len(decode) - 1 - decode[::-1].index("--max-num-batched-tokens") + 1] == "2048"
-    assert "2GiB" in pool[1].argv
+    # each child gets a config, not flags: the prefill chunk only for prefill workers
+    assert workers[0].config.engine.max_num_batched_tokens == 64
+    assert workers[-1].config.engine.max_num_batched_tokens == 2048
+    assert {w.config.role for w in workers} == {"prefill", "decode"}
+    assert pool[1].config.memory == 2 << 30
     colocated = cli.build_parser().parse_args(["serve", "--colocated", "2"])
-    pool, workers = plan(colocated)
+    pool, workers = plan(serve.cluster_config(colocated))
     assert pool == [] and [w.name for w in workers] == ["both-1", "both-2"]
-    assert all("--store" not in w.argv for w in workers)
+    assert all(w.config.store is None for w in workers)
+
+
+def test_configs_cross_processes_as_plain_data():
+    """What the launcher sends its children: every config round-trips through JSON, and a
+    bad or unknown setting is a ValueError naming it (a child then exits 2)."""
+    import json
+
+    from kvpool.config import (
+        ClusterConfig,
+        ConductorConfig,
+        EngineConfig,
+        NodeConfig,
+        WorkerConfig,  # fmt: skip
+        from_wire,
+        to_wire,
+    )
+
+    for cfg in (WorkerConfig(role="prefill", engine=EngineConfig(block_size=8)),
+                NodeConfig(master="127.0.0.1:1", memory="2GiB"),
+                ConductorConfig(workers=["127.0.0.1:2"], policy="least_load"),
+                ClusterConfig(prefill=2, store_memory="64MiB")):  # fmt: skip
+        assert from_wire(type(cfg), json.loads(json.dumps(to_wire(cfg)))) == cfg
+    with pytest.raises(ValueError, match="unknown setting"):
+        from_wire(WorkerConfig, {"rol": "prefill"})
+    with pytest.raises(ValueError, match="block_size"):
+        from_wire(WorkerConfig, {"engine": {"block_size": 0}})
+    with pytest.raises(ValueError, match="role"):
+        from_wire(WorkerConfig, {"role": "router"})
+    with pytest.raises(ValueError, match="mapping"):
+        from_wire(NodeConfig, ["memory", "1GiB"])
+
+
+def test_a_worker_refuses_a_bad_config_on_stdin(monkeypatch, capsys):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO('{"role": "router"}'))
+    assert cli.main(["worker", "--config-json", "-"]) == 2
+    assert "role must be one of" in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", io.StringIO('{"memory": "lots"}'))
+    assert cli.main(["store", "node", "--config-json", "-"]) == 2
+    assert "cannot parse size" in capsys.readouterr().err
 
 
 def test_cluster_config_file_errors(tmp_path, capsys):

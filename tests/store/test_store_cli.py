@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvpool.cli import build_parser
-from kvpool.store.cli import apply_config
+from kvpool.entrypoints.store import apply_config
 
 
 def parse(*argv: str):

@@ -151,6 +151,6 @@ def test_a_real_peer_process_survives_garbage(peer_factory, engine_factory, meta
     te = engine_factory(directory=metadata.url, transport="tcp")
     buf = np.zeros(4096, np.uint8)
     te.read(buf, "fuzz-proc/kv", 1000)
-    from kvpool.transfer.cli import pattern
+    from kvpool.entrypoints.transfer import pattern
 
     assert np.array_equal(buf, pattern(2, 1 << 20)[1000:5096])

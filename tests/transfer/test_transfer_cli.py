@@ -10,7 +10,7 @@ import urllib.request
 
 import numpy as np
 
-from kvpool.transfer.cli import pattern
+from kvpool.entrypoints.transfer import pattern
 
 
 def start(*argv: str) -> tuple[subprocess.Popen, dict]:

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kvpool.common.errors import BackpressureError, KVPoolTimeoutError, TransferError
+from kvpool.entrypoints.transfer import pattern
 from kvpool.transfer import Op, State, TransferRequest
-from kvpool.transfer.cli import pattern
 
 MiB = 1 << 20
 SEG = 80 * MiB

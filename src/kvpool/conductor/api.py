@@ -46,13 +46,13 @@ from kvpool.conductor.cluster_state import RequestInfo
 from kvpool.conductor.metrics import ConductorMetrics
 from kvpool.conductor.relay import Flight, Relay, RelayResponse, WorkerFailedError
 from kvpool.conductor.router import Route, Router
+from kvpool.config import HttpLimits
 from kvpool.engine.limits import check_context_length, check_prompt_chars, check_token_ids
 from kvpool.engine.sampling import SamplingParams
 from kvpool.protocol.decode import DecodeRequest, KVHandle
 from kvpool.protocol.kv_object import block_key
 from kvpool.serving.app_common import add_model_routes, secure_app
 from kvpool.serving.http_errors import ModelNotFoundError, install_error_handlers
-from kvpool.serving.http_limits import HttpLimits
 from kvpool.serving.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,6 @@
 """What every entry point shares: the engine and HTTP flags, the refusal to bind a public
-address without a token, SIGTERM as Ctrl-C, and flags to config objects (CLI code)."""
+address without a token, SIGTERM as Ctrl-C, YAML files of flags, JSON configs, and flags to
+config objects (CLI code)."""
 
 from __future__ import annotations
 
@@ -26,14 +27,42 @@ def refuse_open_bind(prog: str, host: str, token: str | None) -> bool:
     return True
 
 
-def bad_http_limits(prog: str, args: argparse.Namespace) -> bool:
-    """True (and a message) if the HTTP limit flags are invalid."""
-    try:
-        http_limits(args)
-    except ValueError as exc:
-        print(f"kvpool {prog}: invalid configuration: {exc}", file=sys.stderr)
-        return True
-    return False
+def flag_defaults(parser: argparse.ArgumentParser) -> dict[str, object]:
+    """{dest: default} of a parser's flags (what a YAML file of them may set)."""
+    return {a.dest: a.default for a in parser._actions
+            if a.dest not in ("help", "config", "config_json")}  # fmt: skip
+
+
+def apply_yaml(args: argparse.Namespace, path: str, defaults: dict[str, object],
+               what: str) -> None:  # fmt: skip
+    """Fill the flags ``args`` left at their ``defaults`` (``flag_defaults``) from a YAML
+    mapping of long flag names (``memory: 2GiB``, ``high-watermark: 0.85``; ``-`` or ``_``):
+    the command line wins. ``ValueError`` for a key that is not one of ``what``'s flags."""
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of flag names to values")
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        if dest not in defaults:
+            raise ValueError(f"{path}: unknown setting {key!r} for {what}")
+        if getattr(args, dest) == defaults[dest]:
+            setattr(args, dest, value)
+
+
+def read_json(path: str):
+    """A JSON document from ``path`` (``-``: stdin, which is then closed)."""
+    import json
+
+    if path == "-":
+        text = sys.stdin.read()
+        sys.stdin.close()
+    else:
+        with open(path) as f:
+            text = f.read()
+    return json.loads(text)
 
 
 def sigterm_as_interrupt():
@@ -43,7 +72,7 @@ def sigterm_as_interrupt():
 
 def add_http_args(p: argparse.ArgumentParser) -> None:
     """Limits of the OpenAI HTTP front (shared by ``serve``, ``worker`` and ``conductor``)."""
-    from kvpool.serving.http_limits import HttpLimits
+    from kvpool.config import HttpLimits
 
     d = HttpLimits()
     g = p.add_argument_group("HTTP limits")
@@ -59,7 +88,8 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
 
 
 def http_limits(args: argparse.Namespace):
-    from kvpool.serving.http_limits import HttpLimits
+    """The HTTP limits from their flags (``ValueError`` for bad values)."""
+    from kvpool.config import HttpLimits
 
     return HttpLimits(args.max_body_bytes, args.max_connections, args.header_timeout,
                       args.body_timeout)  # fmt: skip
@@ -100,22 +130,14 @@ def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def engine_config(args: argparse.Namespace, prog: str = "serve"):
+def engine_config(args: argparse.Namespace):
+    """The engine's config from its flags (``ValueError`` for bad values)."""
     from kvpool.config import EngineConfig
 
-    try:
-        return EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            block_size=args.block_size,
-            kv_cache_memory_bytes=args.kv_cache_memory,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            enable_prefix_caching=not args.no_prefix_caching,
-            served_model_name=served_name(args),
-            num_threads=args.threads,
-        )
-    except ValueError as exc:
-        print(f"kvpool {prog}: invalid configuration: {exc}", file=sys.stderr)
-        return None
+    return EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
+                        kv_cache_memory_bytes=args.kv_cache_memory,
+                        max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_model_len=args.max_model_len,
+                        enable_prefix_caching=not args.no_prefix_caching,
+                        served_model_name=served_name(args), num_threads=args.threads)  # fmt: skip

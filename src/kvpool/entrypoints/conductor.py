@@ -9,6 +9,7 @@ import sys
 
 from kvpool.common import auth
 from kvpool.conductor.policies import POLICIES
+from kvpool.config import ConductorConfig
 from kvpool.entrypoints import common
 
 
@@ -45,7 +46,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def build(args: argparse.Namespace, workers: list[str], token: str | None):
+def conductor_config(args: argparse.Namespace, workers: list[str] | None = None) -> ConductorConfig:
+    """The conductor's config from its flags (shared by ``conductor`` and ``serve``)."""
+    return ConductorConfig(
+        host=args.host, port=args.port, workers=list(workers or getattr(args, "worker", [])),
+        etcd=getattr(args, "etcd", None), store=getattr(args, "store", None), model=args.model,
+        served_model_name=common.served_name(args), policy=args.policy,
+        balancing_threshold=args.balancing_threshold, slo_ttft=args.slo_ttft,
+        slo_tbt=args.slo_tbt, decode_prefill_tokens=args.decode_prefill_tokens,
+        max_inflight=args.max_inflight, log_level=args.log_level,
+        http=common.http_limits(args))  # fmt: skip
+
+
+def build(cfg: ConductorConfig, token: str | None):
     """A started ClusterState and the Conductor over it."""
     from kvpool.conductor.api import Conductor
     from kvpool.conductor.cluster import ClusterState
@@ -53,30 +66,28 @@ def build(args: argparse.Namespace, workers: list[str], token: str | None):
     from kvpool.conductor.router import Router, SLOConfig
     from kvpool.model.loader import load_tokenizer
 
-    kwargs = {"balancing_threshold": args.balancing_threshold} \
-        if args.policy == "cache_aware" else {}  # fmt: skip
+    kwargs = {"balancing_threshold": cfg.balancing_threshold} \
+        if cfg.policy == "cache_aware" else {}  # fmt: skip
     router = Router(
-        get_policy(args.policy, **kwargs),
-        SLOConfig(args.slo_ttft or None, args.slo_tbt or None, args.max_inflight),
-        args.decode_prefill_tokens,
+        get_policy(cfg.policy, **kwargs),
+        SLOConfig(cfg.slo_ttft or None, cfg.slo_tbt or None, cfg.max_inflight),
+        cfg.decode_prefill_tokens,
     )
-    store = getattr(args, "store", None)
-    cluster = ClusterState(workers, etcd=getattr(args, "etcd", None), store=store,
+    cluster = ClusterState(cfg.workers, etcd=cfg.etcd, store=cfg.store,
                            token=token or "").start()  # fmt: skip
-    tok = load_tokenizer(args.model)
-    return Conductor(cluster, router, tok, common.served_name(args), token=token)
+    tok = load_tokenizer(cfg.model)
+    return Conductor(cluster, router, tok, cfg.served_model_name, token=token)
 
 
-async def serve_conductor(conductor, args: argparse.Namespace, on_ready=None) -> None:
-    """Serve the conductor's API on ``args.host:args.port`` (API key: ``auth.api_key()``)."""
+async def serve_conductor(conductor, cfg: ConductorConfig, on_ready=None) -> None:
+    """Serve the conductor's API on ``cfg.host:cfg.port`` (API key: ``auth.api_key()``)."""
     from kvpool.conductor.api import build_conductor_app
     from kvpool.serving.http_limits import serve_http
 
     key = auth.api_key()
-    limits = common.http_limits(args)
-    app = build_conductor_app(conductor, [key] if key else [], limits)
+    app = build_conductor_app(conductor, [key] if key else [], cfg.http)
     try:
-        await serve_http(app, limits, args.log_level, on_ready, host=args.host, port=args.port)
+        await serve_http(app, cfg.http, cfg.log_level, on_ready, host=cfg.host, port=cfg.port)
     finally:
         await conductor.close()
 
@@ -88,18 +99,21 @@ def run(args: argparse.Namespace) -> int:
     if not args.worker and not args.etcd:
         print("kvpool conductor: give --worker addresses or --etcd", file=sys.stderr)
         return 2
-    if common.bad_http_limits("conductor", args):
+    try:
+        cfg = conductor_config(args)
+    except ValueError as exc:
+        print(f"kvpool conductor: invalid configuration: {exc}", file=sys.stderr)
         return 2
     from kvpool.common.log import setup_logging
 
-    setup_logging(args.log_level)
+    setup_logging(cfg.log_level)
     previous = common.sigterm_as_interrupt()
     conductor = None
     try:
-        conductor = build(args, args.worker, token)
-        ready = lambda: print(f"kvpool conductor: ready on http://{args.host}:{args.port}/v1",  # noqa: E731
+        conductor = build(cfg, token)
+        ready = lambda: print(f"kvpool conductor: ready on http://{cfg.host}:{cfg.port}/v1",  # noqa: E731
                               flush=True)  # fmt: skip
-        asyncio.run(serve_conductor(conductor, args, ready))
+        asyncio.run(serve_conductor(conductor, cfg, ready))
     except KeyboardInterrupt:
         pass
     finally:

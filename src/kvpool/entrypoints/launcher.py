@@ -3,7 +3,8 @@
 Starts, in order: the pool (``kvpool store master``, which also serves the segment directory, and
 one ``kvpool store node`` process), the workers (``kvpool worker`` processes: ``--prefill N``
 and ``--decode M``, or ``--colocated N`` engines doing both with local prefix caching only), and
-the conductor in this process on 127.0.0.1:8000. Every child prints a JSON line when ready;
+the conductor in this process on 127.0.0.1:8000. Each child gets its config (a ``WorkerConfig``,
+a ``NodeConfig``) as JSON on its stdin (``--config-json -``); every child prints a JSON line when ready;
 the conductor says ready only once it sees every worker alive. Ctrl-C or SIGTERM stops the
 conductor, then the children (SIGTERM, then SIGKILL after a grace period); children also get
 SIGTERM if this process dies (PR_SET_PDEATHSIG), so none is left behind.
@@ -11,10 +12,10 @@ SIGTERM if this process dies (PR_SET_PDEATHSIG), so none is left behind.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import ctypes
+import dataclasses
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvpool.common.errors import KVPoolError
+from kvpool.config import ClusterConfig, HttpLimits, NodeConfig, WorkerConfig, to_wire
 
 STARTUP_TIMEOUT = 300.0
 
@@ -38,14 +40,22 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 class Child:
     name: str
     argv: list[str]
+    config: WorkerConfig | NodeConfig | None = None  # sent as JSON on its stdin
     proc: subprocess.Popen | None = None
     info: dict = field(default_factory=dict)
 
     def start(self) -> None:
+        argv = [*self.argv, "--config-json", "-"] if self.config is not None else self.argv
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpool.cli", *self.argv], stdout=subprocess.PIPE, text=True,
+            [sys.executable, "-m", "kvpool.cli", *argv], stdout=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE if self.config is not None else subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_die_with_parent,
         )  # fmt: skip
+        if self.config is not None:
+            assert self.proc.stdin is not None
+            with contextlib.suppress(BrokenPipeError):  # it died at once: wait_ready says so
+                self.proc.stdin.write(json.dumps(to_wire(self.config)))
+                self.proc.stdin.close()
 
     def wait_ready(self, timeout: float) -> dict:
         """The child's JSON ready line (stdout after it is forwarded to ours)."""
@@ -81,69 +91,46 @@ class Child:
             self.proc.wait(5)
 
 
-def plan(args: argparse.Namespace) -> tuple[list[Child], list[Child]]:
-    """(pool processes, worker processes) for ``args``; the workers need the master address,
-    filled in by ``launch`` once the master is up."""
-    log = ["--log-level", "warning"]
+def plan(cluster: ClusterConfig) -> tuple[list[Child], list[Child]]:
+    """(pool processes, worker processes) of ``cluster``; the node and the workers need the
+    master's address, filled in by ``launch`` once the master is up."""
     pool: list[Child] = []
-    if not args.colocated:
-        pool.append(Child("store-master", ["store", "master", "--port", "0", *log]))
-        node = ["store", "node", "--master", "{master}", "--memory", args.store_memory, *log]
-        pool.append(Child("store-node", node))  # the master's directory: the default
-    roles = ["both"] * args.colocated if args.colocated else \
-        ["prefill"] * args.prefill + ["decode"] * args.decode  # fmt: skip
-    threads = str(args.threads or max(1, (os.cpu_count() or 2) // max(1, len(roles))))
-    engine = [*_engine_flags(args), "--threads", threads]
+    if not cluster.colocated:
+        pool.append(Child("store-master", ["store", "master", "--port", "0",
+                                           "--log-level", "warning"]))  # fmt: skip
+        node = NodeConfig(memory=cluster.store_memory, log_level="warning")
+        pool.append(Child("store-node", ["store", "node"], node))  # the master's directory
+    roles = ["both"] * cluster.colocated if cluster.colocated else \
+        ["prefill"] * cluster.prefill + ["decode"] * cluster.decode  # fmt: skip
+    threads = cluster.engine.num_threads or max(1, (os.cpu_count() or 2) // max(1, len(roles)))
+    # what the conductor relays, the workers accept
+    http = HttpLimits(max_body_bytes=cluster.conductor.http.max_body_bytes)
     workers = []
     counts: dict[str, int] = {}
     for role in roles:
         counts[role] = counts.get(role, 0) + 1
         wid = f"{role}-{counts[role]}"
-        argv = [
-            "worker",
-            "--role",
-            role,
-            "--id",
-            wid,
-            *engine,
-            *log,
-            "--max-body-bytes",
-            str(args.max_body_bytes),
-        ]  # what the conductor relays
-        if role == "prefill" and args.prefill_chunk:
-            argv += ["--max-num-batched-tokens", str(args.prefill_chunk)]  # the last one wins
-        if not args.colocated:
-            argv += ["--store", "{master}"]
-        workers.append(Child(wid, argv))
+        engine = dataclasses.replace(cluster.engine, num_threads=threads)
+        if role == "prefill" and cluster.prefill_chunk:
+            engine = dataclasses.replace(engine, max_num_batched_tokens=cluster.prefill_chunk)
+        cfg = WorkerConfig(role=role, worker_id=wid, engine=engine, http=http,
+                           log_level="warning")  # fmt: skip
+        workers.append(Child(wid, ["worker"], cfg))
     return pool, workers
 
 
-def _engine_flags(args: argparse.Namespace) -> list[str]:
-    out = ["--dtype", args.dtype, "--kv-cache-memory", str(args.kv_cache_memory),
-           "--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens)]  # fmt: skip
-    if args.model:
-        out += ["--model", args.model]
-    if args.max_model_len:
-        out += ["--max-model-len", str(args.max_model_len)]
-    if args.no_prefix_caching:
-        out.append("--no-prefix-caching")
-    if args.served_model_name:
-        out += ["--served-model-name", args.served_model_name]
-    return out
-
-
-def launch(args: argparse.Namespace, token: str | None) -> int:
+def launch(cluster: ClusterConfig, token: str | None) -> int:
     from kvpool.entrypoints.conductor import build, serve_conductor
     from kvpool.transfer.metadata import directory_for
 
-    pool, workers = plan(args)
+    pool, workers = plan(cluster)
     children: list[Child] = []
     conductor = None
     try:
         master = None
         for child in pool:
-            child.argv = [a.replace("{master}", master or "") for a in child.argv]
+            if isinstance(child.config, NodeConfig):
+                child.config.master = master or ""
             child.start()
             children.append(child)
             info = child.wait_ready(60)
@@ -151,7 +138,8 @@ def launch(args: argparse.Namespace, token: str | None) -> int:
             print(f"kvpool serve: {child.name} ready ({info.get('address') or info.get('segment')})",
                   flush=True)  # fmt: skip
         for child in workers:  # all load their model at once
-            child.argv = [a.replace("{master}", master or "") for a in child.argv]
+            assert isinstance(child.config, WorkerConfig)
+            child.config.store = master
             child.start()
             children.append(child)
         for child in workers:
@@ -161,8 +149,9 @@ def launch(args: argparse.Namespace, token: str | None) -> int:
                 f"{info['http']}, rpc {info['rpc']}, pid {info['pid']}",
                 flush=True,
             )
-        args.store, args.etcd = master, None
-        conductor = build(args, [c.info["rpc"] for c in workers], token)
+        front = dataclasses.replace(cluster.conductor, workers=[c.info["rpc"] for c in workers],
+                                    store=master, etcd=None)  # fmt: skip
+        conductor = build(front, token)
         conductor.cluster.processes = {
             c.name: {"pid": c.proc.pid, **{k: v for k, v in c.info.items() if k != "ready"}}
             for c in children
@@ -173,12 +162,12 @@ def launch(args: argparse.Namespace, token: str | None) -> int:
 
         def ready() -> None:
             print(
-                f"kvpool serve: ready on http://{args.host}:{args.port}/v1 "
-                f"({_describe(args)}; Ctrl-C stops everything)",
+                f"kvpool serve: ready on http://{front.host}:{front.port}/v1 "
+                f"({_describe(cluster)}; Ctrl-C stops everything)",
                 flush=True,
             )
 
-        asyncio.run(serve_conductor(conductor, args, ready))
+        asyncio.run(serve_conductor(conductor, front, ready))
     except KeyboardInterrupt:
         print("kvpool serve: interrupted, shutting down", flush=True)
     except KVPoolError as exc:
@@ -203,7 +192,8 @@ def _wait_all_alive(conductor, n: int, timeout: float = 30.0) -> None:
     raise KVPoolError(f"only {len(alive)} of {n} workers answer the conductor")
 
 
-def _describe(args: argparse.Namespace) -> str:
-    if args.colocated:
-        return f"{args.colocated} colocated worker(s), local prefix caching only"
-    return f"{args.prefill} prefill + {args.decode} decode worker(s), pool of {args.store_memory}"
+def _describe(cluster: ClusterConfig) -> str:
+    if cluster.colocated:
+        return f"{cluster.colocated} colocated worker(s), local prefix caching only"
+    return (f"{cluster.prefill} prefill + {cluster.decode} decode worker(s), pool of "
+            f"{cluster.store_memory / 2**30:.2f} GiB")  # fmt: skip

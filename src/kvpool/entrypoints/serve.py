@@ -9,13 +9,15 @@ import sys
 
 from kvpool.common import auth
 from kvpool.common.errors import KVPoolError
+from kvpool.config import ClusterConfig
 from kvpool.entrypoints.common import (
     AUTH_ENV,
     DEFAULT_SERVED_NAME,
     add_engine_args,
     add_http_args,
-    bad_http_limits,
+    apply_yaml,
     engine_config,
+    flag_defaults,
     http_limits,
     refuse_open_bind,
     served_name,
@@ -66,19 +68,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def apply_config_file(args: argparse.Namespace) -> None:
     """Fill flags left at their defaults from ``--config`` (keys as flag names, - or _)."""
-    import yaml
+    apply_yaml(args, args.config, flag_defaults(_PARSER[0]), "kvpool serve")
 
-    with open(args.config) as f:
-        data = yaml.safe_load(f) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{args.config}: expected a mapping of flag names to values")
-    parser = _PARSER[0]
-    for key, value in data.items():
-        dest = str(key).replace("-", "_")
-        if not hasattr(args, dest) or dest in ("config", "func"):
-            raise ValueError(f"{args.config}: unknown setting {key!r}")
-        if getattr(args, dest) == parser.get_default(dest):
-            setattr(args, dest, value)
+
+def cluster_config(args: argparse.Namespace) -> ClusterConfig:
+    """The embedded cluster's config from the flags (``ValueError`` for bad values)."""
+    from kvpool.entrypoints.conductor import conductor_config
+
+    return ClusterConfig(prefill=args.prefill, decode=args.decode, colocated=args.colocated,
+                         store_memory=args.store_memory, prefill_chunk=args.prefill_chunk,
+                         engine=engine_config(args), conductor=conductor_config(args, []))  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,12 +88,12 @@ def run(args: argparse.Namespace) -> int:
     from kvpool.common.log import setup_logging
 
     setup_logging(args.log_level)
-    if bad_http_limits("serve", args):
-        return 2
     if not args.single:
         return _run_cluster(args, token)
-    config = engine_config(args)
-    if config is None:
+    try:
+        config, limits = engine_config(args), http_limits(args)
+    except ValueError as exc:
+        print(f"kvpool serve: invalid configuration: {exc}", file=sys.stderr)
         return 2
     # SIGTERM ends like Ctrl-C (uvicorn re-raises it after its graceful shutdown)
     previous = sigterm_as_interrupt()
@@ -104,9 +103,8 @@ def run(args: argparse.Namespace) -> int:
         from kvpool.serving.api_server import build_app
 
         key = auth.api_key()
-        app = build_app(aeng, served_name(args), api_keys=[key] if key else [],
-                        limits=http_limits(args))  # fmt: skip
-        asyncio.run(_serve(app, args, auth=key is not None))
+        app = build_app(aeng, served_name(args), api_keys=[key] if key else [], limits=limits)
+        asyncio.run(_serve(app, args, limits, auth=key is not None))
     except KeyboardInterrupt:
         print("kvpool serve: interrupted, shutting down", flush=True)
     except KVPoolError as exc:  # e.g. the model cannot be found or loaded
@@ -124,20 +122,15 @@ def _run_cluster(args: argparse.Namespace, token: str | None) -> int:
     try:
         if args.config:
             apply_config_file(args)
-        if args.colocated < 0 or args.prefill < 0 or args.decode < 0:
-            raise ValueError("worker counts must be >= 0")
-        if not args.colocated and (args.prefill + args.decode) < 1:
-            raise ValueError("start at least one worker")
+        cluster = cluster_config(args)
     except (OSError, ValueError) as exc:
         print(f"kvpool serve: invalid configuration: {exc}", file=sys.stderr)
-        return 2
-    if engine_config(args) is None:
         return 2
     from kvpool.entrypoints.launcher import launch
 
     previous = sigterm_as_interrupt()
     try:
-        return launch(args, token)
+        return launch(cluster, token)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -161,7 +154,7 @@ def _start_engine(config):
     return AsyncLLMEngine(engine).start()
 
 
-async def _serve(app, args: argparse.Namespace, auth: bool) -> None:
+async def _serve(app, args: argparse.Namespace, limits, auth: bool) -> None:
     from kvpool.serving.http_limits import serve_http
 
     def ready() -> None:
@@ -169,5 +162,5 @@ async def _serve(app, args: argparse.Namespace, auth: bool) -> None:
         note = " (bearer token required)" if auth else ""
         print(f"kvpool serve: ready on http://{host}:{args.port}/v1{note}", flush=True)
 
-    await serve_http(app, http_limits(args), args.log_level, ready, host=args.host,
+    await serve_http(app, limits, args.log_level, ready, host=args.host,
                      port=args.port)  # fmt: skip

@@ -19,6 +19,7 @@ import sys
 
 from kvpool.common import auth
 from kvpool.common.errors import KVPoolError
+from kvpool.config import WorkerConfig, from_wire
 from kvpool.entrypoints import common
 from kvpool.protocol.cluster import ROLES, WORKERS_PREFIX
 
@@ -52,26 +53,42 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     common.add_http_args(p)
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error", "critical"])  # fmt: skip
+    p.add_argument("--config-json", default=None, metavar="FILE",
+                   help="the whole WorkerConfig as JSON (- reads stdin: how kvpool serve hands "
+                        "its workers their configs); other flags are then ignored")  # fmt: skip
     auth.add_token_args(p)
     p.set_defaults(func=run)
 
 
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    """The worker's config: from ``--config-json``, else from its flags."""
+    if args.config_json:
+        return from_wire(WorkerConfig, common.read_json(args.config_json), "--config-json")
+    engine = common.engine_config(args)
+    return WorkerConfig(role=args.role, worker_id=args.id, host=args.host, port=args.port,
+                        rpc_port=args.rpc_port, store=args.store, transport=args.transport,
+                        directory=args.directory, etcd=args.etcd,
+                        pool_timeout=args.pool_timeout, kv_load=args.kv_load,
+                        fetch_policy=args.fetch_policy, log_level=args.log_level,
+                        engine=engine, http=common.http_limits(args))  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
+    try:
+        config = worker_config(args)
+    except (OSError, ValueError) as exc:
+        print(f"kvpool worker: invalid configuration: {exc}", file=sys.stderr)
+        return 2
     token = auth.cluster_token()
-    if common.refuse_open_bind("worker", args.host, token):
+    if common.refuse_open_bind("worker", config.host, token):
         return 2
     from kvpool.common.log import setup_logging
 
-    setup_logging(args.log_level)
-    config = common.engine_config(args, "worker")
-    if config is None:
-        return 2
-    if common.bad_http_limits("worker", args):
-        return 2
+    setup_logging(config.log_level)
     previous = common.sigterm_as_interrupt()
     parts: list = []
     try:
-        asyncio.run(_main(args, config, token, parts))
+        asyncio.run(_main(config, token, parts))
     except KeyboardInterrupt:
         pass
     except KVPoolError as exc:
@@ -87,31 +104,27 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _connector(args: argparse.Namespace, token: str | None, parts: list):
-    if not args.store:
+def _connector(cfg: WorkerConfig, token: str | None, parts: list):
+    if not cfg.store:
         return None
     from kvpool.config import TransferConfig
     from kvpool.engine.connectors.store import StoreConnector
     from kvpool.store.client import StoreClient
 
-    directory = args.directory or (
-        f"etcd://{args.etcd}" if args.etcd else None
-    )  # else the master's
-    wait = args.pool_timeout
-    if not wait > 0:
-        raise SystemExit("kvpool worker: --pool-timeout must be > 0")
-    transfer = TransferConfig(host=args.host, transport=args.transport, directory=directory,
+    directory = cfg.directory or (f"etcd://{cfg.etcd}" if cfg.etcd else None)  # else the master's
+    wait = cfg.pool_timeout
+    transfer = TransferConfig(host=cfg.host, transport=cfg.transport, directory=directory,
                               auth_token=token or "", connect_timeout=min(wait, 5.0),
                               request_timeout=wait)  # fmt: skip
     # a load slower than recomputing is useless: fail fast, recompute, retry the pool later
-    client = StoreClient(args.store, transfer, token=token or "", timeout=wait,
+    client = StoreClient(cfg.store, transfer, token=token or "", timeout=wait,
                          failover_timeout=wait)  # fmt: skip
     parts.append(client.close)
-    return StoreConnector(client, async_load=args.kv_load == "async",
-                          fetch_policy=args.fetch_policy == "auto")  # fmt: skip
+    return StoreConnector(client, async_load=cfg.kv_load == "async",
+                          fetch_policy=cfg.fetch_policy == "auto")  # fmt: skip
 
 
-async def _main(args, config, token: str | None, parts: list) -> None:
+async def _main(cfg: WorkerConfig, token: str | None, parts: list) -> None:
     from kvpool.common.rpc import RpcServer
     from kvpool.engine.async_engine import AsyncLLMEngine
     from kvpool.engine.llm_engine import LLMEngine
@@ -119,35 +132,34 @@ async def _main(args, config, token: str | None, parts: list) -> None:
     from kvpool.serving.http_limits import serve_http
     from kvpool.serving.worker_control import WorkerControl
 
-    wid = args.id or f"{args.role}-{os.getpid()}"
-    connector = _connector(args, token, parts)
-    engine = LLMEngine(config, connector=connector)
+    wid = cfg.worker_id or f"{cfg.role}-{os.getpid()}"
+    name = cfg.engine.served_model_name or common.DEFAULT_SERVED_NAME
+    connector = _connector(cfg, token, parts)
+    engine = LLMEngine(cfg.engine, connector=connector)
     aeng = AsyncLLMEngine(engine).start()
     parts.append(aeng.shutdown)
-    sock = socket.create_server((args.host, args.port), family=_family(args.host))
-    http = f"{_url_host(args.host)}:{sock.getsockname()[1]}"
-    info = {"id": wid, "role": args.role, "http": http, "rpc": "",
-            "model": common.served_name(args), "pid": os.getpid()}  # fmt: skip
+    sock = socket.create_server((cfg.host, cfg.port), family=_family(cfg.host))
+    http = f"{_url_host(cfg.host)}:{sock.getsockname()[1]}"
+    info = {"id": wid, "role": cfg.role, "http": http, "rpc": "", "model": name,
+            "pid": os.getpid()}  # fmt: skip
     control = WorkerControl(info, aeng, asyncio.get_running_loop(), connector)
     # prefill calls hold a pool thread until their KV is published: enough threads that
     # status polls never queue behind them
-    rpc = RpcServer(control, args.host, args.rpc_port, token=token or "", workers=64).start()
+    rpc = RpcServer(control, cfg.host, cfg.rpc_port, token=token or "", workers=64).start()
     parts.append(rpc.close)
     info["rpc"] = rpc.address
-    if args.etcd:
+    if cfg.etcd:
         from kvpool.common.etcd import EtcdClient, Registration
 
-        reg = Registration(EtcdClient(args.etcd), WORKERS_PREFIX + wid.encode(),
+        reg = Registration(EtcdClient(cfg.etcd), WORKERS_PREFIX + wid.encode(),
                            json.dumps(info).encode())  # fmt: skip
         parts.append(reg.close)
     # the conductor relays with the internal bearer; clients of this worker use the API key
     keys = [k for k in (token and auth.internal_bearer(token), auth.api_key()) if k]
-    limits = common.http_limits(args)
     internal = [auth.internal_bearer(token)] if token else []  # /internal/generate only
-    app = build_app(aeng, common.served_name(args), api_keys=keys, limits=limits,
-                    internal_keys=internal)  # fmt: skip
-    ready = {"ready": True, **info, "store": args.store}
-    await serve_http(app, limits, args.log_level, lambda: print(json.dumps(ready), flush=True),
+    app = build_app(aeng, name, api_keys=keys, limits=cfg.http, internal_keys=internal)
+    ready = {"ready": True, **info, "store": cfg.store}
+    await serve_http(app, cfg.http, cfg.log_level, lambda: print(json.dumps(ready), flush=True),
                      sockets=[sock])  # fmt: skip
 
 

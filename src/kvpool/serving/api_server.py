@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvpool.common.errors import BadRequestError, ForbiddenError, KVPoolError, ProtocolError
+from kvpool.config import HttpLimits
 from kvpool.engine.async_engine import AsyncLLMEngine
 from kvpool.engine.request import RequestOutput
 from kvpool.engine.sampling import SamplingParams
@@ -27,7 +28,6 @@ from kvpool.serving.app_common import add_model_routes, secure_app, wait_disconn
 from kvpool.serving.engine_client import EngineClient
 from kvpool.serving.formats import SSE_DONE, ChatFormat, CompletionFormat, finish_reason, sse
 from kvpool.serving.http_errors import ModelNotFoundError, error_body, install_error_handlers
-from kvpool.serving.http_limits import HttpLimits
 from kvpool.serving.metrics import ServerMetrics
 from kvpool.serving.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 

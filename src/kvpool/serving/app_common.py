@@ -8,8 +8,9 @@ from collections.abc import Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from kvpool.config import HttpLimits
 from kvpool.serving.http_errors import BearerAuthMiddleware, CatchAllMiddleware
-from kvpool.serving.http_limits import HttpLimits, install_limits
+from kvpool.serving.http_limits import install_limits
 
 
 def secure_app(app: FastAPI, api_keys: list[str], limits: HttpLimits | None = None) -> None:

@@ -16,37 +16,21 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvpool.common.errors import KVPoolError, PayloadTooLargeError
-from kvpool.config import parse_size
+from kvpool.config import HttpLimits
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["HttpLimits", "install_limits", "serve_http"]
 
 
 class BodyTimeoutError(KVPoolError):
     http_status = 408
     error_type = "timeout_error"
-
-
-@dataclass(slots=True)
-class HttpLimits:
-    max_body_bytes: int | str = "4MiB"
-    max_connections: int = 512  # connections and requests at once (uvicorn's limit_concurrency)
-    header_timeout: float = 10.0  # seconds to send the request headers
-    body_timeout: float = 30.0  # seconds to send the body
-
-    def __post_init__(self) -> None:
-        self.max_body_bytes = parse_size(self.max_body_bytes)
-        if self.max_body_bytes < 1024:
-            raise ValueError("max_body_bytes must be at least 1 KiB")
-        if self.max_connections < 1:
-            raise ValueError("max_connections must be >= 1")
-        if self.header_timeout <= 0 or self.body_timeout <= 0:
-            raise ValueError("header_timeout and body_timeout must be > 0")
 
 
 async def _send_error(send: Send, exc: KVPoolError) -> None:

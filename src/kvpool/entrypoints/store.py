@@ -12,7 +12,8 @@ import threading
 from collections.abc import Callable
 
 from kvpool.common import auth
-from kvpool.config import MasterConfig, TransferConfig, parse_size
+from kvpool.config import MasterConfig, NodeConfig, TransferConfig, from_wire
+from kvpool.entrypoints import common
 
 
 def _stop_event() -> threading.Event:
@@ -30,21 +31,8 @@ _DEFAULTS: dict[str, dict] = {}  # role -> {dest: default}, to tell given flags 
 def apply_config(args: argparse.Namespace, role: str) -> None:
     """Fill flags not given on the command line from ``--config FILE`` (YAML: a mapping of
     long flag names, e.g. ``memory: 2GiB``, ``high-watermark: 0.85``, ``etcd: 127.0.0.1:2379``)."""
-    if not args.config:
-        return
-    import yaml
-
-    with open(args.config) as f:
-        data = yaml.safe_load(f) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{args.config}: expected a mapping of flag names to values")
-    defaults = _DEFAULTS[role]
-    for key, value in data.items():
-        dest = str(key).replace("-", "_")
-        if dest not in defaults or dest == "config":
-            raise ValueError(f"{args.config}: unknown setting {key!r} for kvpool store {role}")
-        if getattr(args, dest) == defaults[dest]:
-            setattr(args, dest, value)
+    if args.config:
+        common.apply_yaml(args, args.config, _DEFAULTS[role], f"kvpool store {role}")
 
 
 def _configured(args: argparse.Namespace, role: str) -> bool:
@@ -157,39 +145,48 @@ def _master_ha(args: argparse.Namespace, config: MasterConfig, token: str, admin
     return 0
 
 
+def node_config(args: argparse.Namespace) -> NodeConfig:
+    """The node's config: from ``--config-json``, else from its flags (and ``--config``)."""
+    if args.config_json:
+        return from_wire(NodeConfig, common.read_json(args.config_json), "--config-json")
+    apply_config(args, "node")
+    return NodeConfig(master=args.master or "", memory=args.memory, ssd_path=args.ssd_path,
+                      ssd_size=args.ssd_size, node_id=args.node_id, host=args.host,
+                      directory=args.directory, metrics_port=args.metrics_port,
+                      log_level=args.log_level)  # fmt: skip
+
+
 def _node(args: argparse.Namespace) -> int:
     from kvpool.common.errors import KVPoolError
     from kvpool.common.log import setup_logging
     from kvpool.store.node import StorageNode
 
-    if not _configured(args, "node"):
+    try:
+        cfg = node_config(args)
+        auth.export_cli_tokens(args)  # a token file named in --config
+    except (OSError, ValueError) as exc:
+        print(f"kvpool store node: {exc}", file=sys.stderr)
         return 2
-    setup_logging(args.log_level)
-    if not args.master:
+    setup_logging(cfg.log_level)
+    if not cfg.master:
         print("kvpool store node: --master (or master: in --config) is required", file=sys.stderr)
         return 2
-    node_id = args.node_id or f"{socket.gethostname()}-{os.getpid()}"
+    node_id = cfg.node_id or f"{socket.gethostname()}-{os.getpid()}"
     try:
-        transfer = TransferConfig(host=args.host, directory=args.directory)
-        node = StorageNode(
-            node_id,
-            args.master,
-            parse_size(args.memory),
-            transfer,
-            ssd_path=args.ssd_path,
-            ssd_size=parse_size(args.ssd_size),
-        )
+        transfer = TransferConfig(host=cfg.host, directory=cfg.directory)
+        node = StorageNode(node_id, cfg.master, cfg.memory, transfer, ssd_path=cfg.ssd_path,
+                           ssd_size=cfg.ssd_size)  # fmt: skip
     except (ValueError, OSError, KVPoolError) as exc:
         print(f"kvpool store node: {exc}", file=sys.stderr)
         return 1
     metrics = None
-    if args.metrics_port is not None:
+    if cfg.metrics_port is not None:
         from kvpool.store.metrics import MetricsServer, NodeCollector
         from kvpool.transfer.metrics import TransferStatsCollector
 
         collectors = [NodeCollector(node.stats), TransferStatsCollector(node.engine.stats.snapshot)]
         metrics = MetricsServer(
-            collectors, lambda: {"status": "ok", **node.stats()}, "127.0.0.1", args.metrics_port
+            collectors, lambda: {"status": "ok", **node.stats()}, "127.0.0.1", cfg.metrics_port
         )
     ready = {"ready": True, "node_id": node_id, "segment": node.segment_name,
              "rpc": node.rpc.address, "metrics_port": _port(metrics)}  # fmt: skip
@@ -226,7 +223,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     m.add_argument("--log-level", default="info")
     auth.add_token_args(m, admin=True)
     m.set_defaults(func=_master)
-    _DEFAULTS["master"] = {a.dest: a.default for a in m._actions}
+    _DEFAULTS["master"] = common.flag_defaults(m)
     n = sub.add_parser("node", help="a storage node contributing memory")
     n.add_argument(
         "--master", default=None, help="HOST:PORT, or etcd://HOST:PORT to follow the leader"
@@ -242,6 +239,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     n.add_argument("--metrics-port", type=int, default=None, help="serve /metrics and /health")
     n.add_argument("--config", default=None, help="YAML file of these settings")
     n.add_argument("--log-level", default="info")
+    n.add_argument("--config-json", default=None, metavar="FILE",
+                   help="the whole NodeConfig as JSON (- reads stdin: how kvpool serve hands "
+                        "its node its config); other flags are then ignored")  # fmt: skip
     auth.add_token_args(n)
     n.set_defaults(func=_node)
-    _DEFAULTS["node"] = {a.dest: a.default for a in n._actions}
+    _DEFAULTS["node"] = common.flag_defaults(n)
