@@ -51,8 +51,8 @@ from kvpool.engine.limits import check_context_length, check_prompt_chars, check
 from kvpool.engine.sampling import SamplingParams
 from kvpool.protocol.decode import DecodeRequest, KVHandle
 from kvpool.protocol.kv_object import block_key
-from kvpool.serving.app_common import add_model_routes, secure_app
-from kvpool.serving.http_errors import ModelNotFoundError, install_error_handlers
+from kvpool.serving.http_errors import ModelNotFoundError
+from kvpool.serving.openai_app import build_openai_app
 from kvpool.serving.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
 logger = logging.getLogger(__name__)
@@ -162,6 +162,22 @@ class Conductor:
             hashes = block_hashes(usable, c.block_size, namespace_seed(c.namespace))
         pool = c.pool_prefix_blocks([block_key(h) for h in hashes])
         return RequestInfo(len(ids), tuple(hashes), c.block_size, max_tokens, pool)
+
+    async def health(self) -> JSONResponse:
+        snap = self.cluster.snapshot()
+        alive = [w.id for w in snap.workers if w.alive]
+        ok = bool(alive)
+        return JSONResponse({"status": "ok" if ok else "no live worker", "workers": alive,
+                             "pool_up": snap.pool_up}, status_code=200 if ok else 503)  # fmt: skip
+
+    async def metrics_response(self) -> Response:
+        data = await asyncio.to_thread(self.metrics.render)
+        return Response(data, media_type=self.metrics.content_type)
+
+    async def completions(self, request: Request) -> Response:
+        return await self.handle(request)
+
+    chat = completions
 
     async def handle(self, request: Request) -> Response:
         t0 = time.perf_counter()
@@ -288,36 +304,14 @@ def _handle(wire: object) -> KVHandle | None:
 
 def build_conductor_app(conductor: Conductor, api_keys: list[str] | tuple = (),
                         limits: HttpLimits | None = None) -> FastAPI:  # fmt: skip
-    app = FastAPI(title="kvpool conductor", summary="OpenAI-compatible, KVCache-aware")
+    """The OpenAI app over the conductor (``build_openai_app``), plus ``/cluster``."""
+
+    def extra(app: FastAPI) -> None:
+        @app.get("/cluster")
+        async def cluster() -> JSONResponse:
+            return JSONResponse(await asyncio.to_thread(conductor.cluster.describe))
+
+    app = build_openai_app(conductor, "kvpool conductor", "OpenAI-compatible, KVCache-aware",
+                           api_keys, limits, extra)  # fmt: skip
     app.state.conductor = conductor
-    install_error_handlers(app)
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        snap = conductor.cluster.snapshot()
-        alive = [w.id for w in snap.workers if w.alive]
-        ok = bool(alive)
-        return JSONResponse({"status": "ok" if ok else "no live worker", "workers": alive,
-                             "pool_up": snap.pool_up}, status_code=200 if ok else 503)  # fmt: skip
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        data = await asyncio.to_thread(conductor.metrics.render)
-        return Response(data, media_type=conductor.metrics.content_type)
-
-    @app.get("/cluster")
-    async def cluster() -> JSONResponse:
-        return JSONResponse(await asyncio.to_thread(conductor.cluster.describe))
-
-    add_model_routes(app, conductor.model_card, conductor.check_model)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await conductor.handle(request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await conductor.handle(request)
-
-    secure_app(app, list(api_keys), limits)
     return app

@@ -21,9 +21,9 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvpool.common.errors import KVPoolError
-from kvpool.serving.app_common import wait_disconnect
 from kvpool.serving.formats import sse
 from kvpool.serving.http_errors import error_body
+from kvpool.serving.openai_app import wait_disconnect
 
 logger = logging.getLogger(__name__)
 JSON = {"Content-Type": "application/json"}

@@ -24,11 +24,11 @@ from kvpool.engine.async_engine import AsyncLLMEngine
 from kvpool.engine.request import RequestOutput
 from kvpool.engine.sampling import SamplingParams
 from kvpool.protocol.decode import DecodeRequest
-from kvpool.serving.app_common import add_model_routes, secure_app, wait_disconnect
 from kvpool.serving.engine_client import EngineClient
 from kvpool.serving.formats import SSE_DONE, ChatFormat, CompletionFormat, finish_reason, sse
-from kvpool.serving.http_errors import ModelNotFoundError, error_body, install_error_handlers
+from kvpool.serving.http_errors import ModelNotFoundError, error_body
 from kvpool.serving.metrics import ServerMetrics
+from kvpool.serving.openai_app import build_openai_app, wait_disconnect
 from kvpool.serving.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,14 @@ class OpenAIServer:
             "root": self.model_name,
             "max_model_len": self.client.engine.max_model_len,
         }
+
+    async def health(self) -> JSONResponse:
+        if self.client.alive():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "engine dead"}, status_code=503)
+
+    async def metrics_response(self) -> Response:
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     async def completions(self, request: Request) -> Response:
         req = parse_request(await request.body(), CompletionRequest)
@@ -216,39 +224,16 @@ class OpenAIServer:
 def build_app(aeng: AsyncLLMEngine, model_name: str, api_keys: list[str] | tuple = (),
               limits: HttpLimits | None = None,
               internal_keys: list[str] | tuple = ()) -> FastAPI:  # fmt: skip
-    """The OpenAI-compatible app over a started AsyncLLMEngine.
-
-    With ``api_keys``, every request but ``/health`` needs ``Authorization: Bearer <one of
-    them>``; ``limits``: the body size and time limits (default ``HttpLimits()``).
-    """
+    """The OpenAI-compatible app over a started AsyncLLMEngine (``build_openai_app``), plus
+    ``/internal/generate`` (the conductor's typed decode requests; ``internal_keys``)."""
     server = OpenAIServer(aeng, model_name, internal_keys)
-    app = FastAPI(title="kvpool", summary="OpenAI-compatible server (single engine)")
+
+    def internal(app: FastAPI) -> None:
+        @app.post("/internal/generate")
+        async def internal_generate(request: Request) -> Response:
+            return await server.internal_generate(request)
+
+    app = build_openai_app(server, "kvpool", "OpenAI-compatible server (single engine)",
+                           api_keys, limits, internal)  # fmt: skip
     app.state.server = server
-    install_error_handlers(app)
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        if server.client.alive():
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "engine dead"}, status_code=503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(server.metrics.render(), media_type=server.metrics.content_type)
-
-    add_model_routes(app, server.model_card, server.check_model)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await server.completions(request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await server.chat(request)
-
-    @app.post("/internal/generate")
-    async def internal_generate(request: Request) -> Response:
-        return await server.internal_generate(request)
-
-    secure_app(app, list(api_keys), limits)
     return app
