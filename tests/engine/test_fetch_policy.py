@@ -88,9 +88,26 @@ def run(eng, prompt, sp, rid):
     return out[-1]
 
 
+class SlowReads:
+    """The real pool with reads that take at least ``delay_s`` longer (a slow tier): the
+    comparison below must not depend on how busy the machine is (the tiny model's compute and
+    an in-process read are both well under a millisecond, too close to call)."""
+
+    def __init__(self, pool, delay_s: float) -> None:
+        self._pool, self._delay_s = pool, delay_s
+
+    def __getattr__(self, name):
+        return getattr(self._pool, name)
+
+    def batch_get_into_parts(self, keys, buffers):
+        time.sleep(self._delay_s)
+        return self._pool.batch_get_into_parts(keys, buffers)
+
+
 def test_an_engine_whose_compute_is_cheap_stops_loading(tiny_engine_factory):
-    """The tiny model computes a block in microseconds: once a load has been measured, the
-    pool's copies of later prefixes are recomputed instead, with the same tokens."""
+    """The tiny model computes a block in microseconds: once a load (from a slow tier) has
+    been measured, the pool's copies of later prefixes are recomputed instead, with the same
+    tokens."""
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     gen = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, 256, (41,), generator=gen).tolist() for _ in range(4)]
@@ -100,7 +117,7 @@ def test_an_engine_whose_compute_is_cheap_stops_loading(tiny_engine_factory):
         colds = [run(warm, p, sp, f"w{i}").outputs[0].token_ids for i, p in enumerate(prompts)]
         assert warm_conn.wait_saved(list(warm.pool.cached_hashes()), 10)
         warm.close()
-        conn = StoreConnector(pool)
+        conn = StoreConnector(SlowReads(pool, 0.1))
         eng = tiny_engine_factory(connector=conn)
         for _ in range(40):  # steps for the cost model to fit this engine's compute
             run(eng, [1, 2, 3], SamplingParams(max_tokens=1), f"fit{_}")

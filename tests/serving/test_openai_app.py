@@ -69,4 +69,4 @@ def test_the_engine_and_conductor_apps_are_built_by_it():
 
     for module in (conductor_api, api_server):
         assert "build_openai_app(" in inspect.getsource(module)
-        assert "@app.post(\"/v1/completions\")" not in inspect.getsource(module)
+        assert '@app.post("/v1/completions")' not in inspect.getsource(module)

@@ -19,8 +19,6 @@ engine computes everything locally.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from dataclasses import dataclass
 
@@ -33,6 +31,7 @@ from kvpool.engine.connectors.base import BlockRef, KVConnector
 from kvpool.engine.connectors.direct import DirectReads
 from kvpool.engine.connectors.fetch_policy import PROBE_BLOCKS, FetchPolicy, FetchStats
 from kvpool.engine.connectors.prefetch import PoolView, Prefetcher
+from kvpool.engine.connectors.saves import Saver
 from kvpool.engine.request import Request
 from kvpool.protocol.kv_object import block_key, header_size, header_tokens, pack_header
 
@@ -84,12 +83,7 @@ class StoreConnector(KVConnector):
         self._down_until = 0.0
         self._blocks: np.ndarray | None = None  # [num_blocks, block_bytes] uint8 view
         self._head_len = 0
-        self._queue: queue.SimpleQueue[list[BlockRef] | None] = queue.SimpleQueue()
-        self._done: list[int] = []
-        self._done_lock = threading.Lock()
-        self._pending: dict[bytes, int] = {}  # hashes queued or being written
-        self._pending_cv = threading.Condition(self._done_lock)
-        self._thread: threading.Thread | None = None
+        self._saver: Saver | None = None  # set at bind
         self._closed = False
 
     # -- binding -------------------------------------------------------------------------
@@ -113,14 +107,15 @@ class StoreConnector(KVConnector):
             self._prefetch = Prefetcher(self._exists, self._load_now, self.view, self._max_loads,
                                         on_loaded=on_loaded, probe=self._probe)  # fmt: skip
         if self._save_enabled:
-            self._thread = threading.Thread(target=self._save_loop, name="kvpool-kv-save",
-                                            daemon=True)  # fmt: skip
-            self._thread.start()
+            self._saver = Saver(self._write, self._waited).start()
 
     @property
     def block_bytes(self) -> int:
         assert self._blocks is not None
         return self._blocks.shape[1]
+
+    def _waited(self, seconds: float) -> None:
+        self.stats.save_wait_seconds += seconds  # save time the engine did wait for
 
     def pool_up(self) -> bool:
         return time.monotonic() >= self._down_until
@@ -327,48 +322,17 @@ class StoreConnector(KVConnector):
         return self._save_enabled
 
     def save(self, blocks: list[BlockRef]) -> None:
-        with self._done_lock:
-            for r in blocks:
-                self._pending[r.block_hash] = self._pending.get(r.block_hash, 0) + 1
-        self._queue.put(list(blocks))
+        assert self._saver is not None, "saves are off"
+        self._saver.save(blocks)
 
     def poll_saved(self) -> list[int]:
-        with self._done_lock:
-            done, self._done = self._done, []
-        return done
+        return self._saver.poll_saved() if self._saver is not None else []
 
     def wait_saved(self, block_hashes: list[bytes], timeout: float) -> bool:
-        """Block until none of ``block_hashes`` is still being saved; the wait is counted as
-        save time that was not hidden behind compute."""
-        t0 = time.perf_counter()
-        deadline = time.monotonic() + timeout
-        with self._pending_cv:
-            while any(h in self._pending for h in block_hashes):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._pending_cv.wait(left)
-            ok = not any(h in self._pending for h in block_hashes)
-        self.stats.save_wait_seconds += time.perf_counter() - t0
-        return ok
+        return self._saver.wait_saved(block_hashes, timeout) if self._saver is not None else True
 
-    def _save_loop(self) -> None:
-        while True:
-            refs = self._queue.get()
-            if refs is None:
-                return
-            while len(refs) < 64:  # gather what else is queued into one batch
-                try:
-                    more = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self._queue.put(None)
-                    break
-                refs.extend(more)
-            self._save_batch(refs)
-
-    def _save_batch(self, refs: list[BlockRef]) -> None:
+    def _write(self, refs: list[BlockRef]) -> None:
+        """One batch of saves into the pool (on the save thread)."""
         assert self._blocks is not None
         t0 = time.perf_counter()
         if self.pool_up():
@@ -379,43 +343,26 @@ class StoreConnector(KVConnector):
             except KVPoolError as exc:
                 self._pool_failed("save", exc)
                 results = [exc] * len(refs)
-            kept = [r for r, x in zip(refs, results, strict=True)
+            kept = [(r, ps) for r, ps, x in zip(refs, parts, results, strict=True)
                     if x is None or isinstance(x, AlreadyExistsError)]  # fmt: skip
-            stored = [r.block_hash for r in kept]
+            stored = [r.block_hash for r, _ in kept]
             self.view.mark(stored, True)
             if self.direct is not None and kept:  # the block is still held: its bytes are these
-                self.direct.record(
-                    kept,
-                    [
-                        self._object_checksum(
-                            r.block_hash, [self._header(r), self._blocks[r.block_id]]
-                        )
-                        for r in kept
-                    ],
-                )
+                self.direct.record([r for r, _ in kept],
+                                   [self._object_checksum(r.block_hash, ps) for r, ps in kept])  # fmt: skip
             self.stats.saved_blocks += len(stored)
             self.stats.saved_bytes += len(stored) * self.block_bytes
             self.stats.dropped_saves += len(refs) - len(stored)
         else:
             self.stats.dropped_saves += len(refs)
         self.stats.save_seconds += time.perf_counter() - t0
-        with self._pending_cv:
-            for r in refs:
-                self._done.append(r.block_id)
-                left = self._pending.get(r.block_hash, 0) - 1
-                if left > 0:
-                    self._pending[r.block_hash] = left
-                else:
-                    self._pending.pop(r.block_hash, None)
-            self._pending_cv.notify_all()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(30)
+        if self._saver is not None:
+            self._saver.close()
         if self._prefetch is not None:
             self._prefetch.close()
 
