@@ -88,6 +88,30 @@ def run(eng, prompt, sp, rid):
     return out[-1]
 
 
+def test_each_tier_has_its_own_load_costs():
+    """The same prefix is loaded from DRAM and recomputed when it sits on a slow SSD tier;
+    an unmeasured tier is loaded once, to measure it."""
+    p = policy(latency_s=0.001, per_block_s=0.0001, compute_token_s=0.001)
+    assert p.decide(8, tier="ssd")[0] == 8 and p.stats.measuring == 1  # SSD not measured yet
+    for n in (1, 4, 16, 64):
+        p.observe_load(n, 0.05 + n * 0.05, tier="ssd")  # 50 ms per 16-token block: slow
+    assert p.decide(8, tier="dram")[0] == 8
+    assert p.decide(8, tier="ssd")[0] == 0
+    assert p.predicted_load_s(8, tier="ssd") > 10 * p.predicted_load_s(8, tier="dram")
+    assert p.stats.loads == 2 and p.stats.recomputes == 1
+
+
+def test_the_pool_view_keeps_the_slowest_tier():
+    from kvpool.engine.connectors.prefetch import PoolView
+
+    v = PoolView()
+    v.mark([b"a", b"b", b"c"], ["dram", "ssd", None])
+    assert v.leading([b"a", b"b", b"c"]) == (2, True)
+    assert v.tier([b"a"]) == "dram" and v.tier([b"a", b"b"]) == "ssd"
+    v.mark([b"b"], True)  # loaded since (a read promotes it): no longer known to be on SSD
+    assert v.tier([b"a", b"b"]) == "dram"
+
+
 class SlowReads:
     """The real pool with reads that take at least ``delay_s`` longer (a slow tier): the
     comparison below must not depend on how busy the machine is (the tiny model's compute and

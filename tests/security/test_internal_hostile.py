@@ -135,7 +135,7 @@ def _probe_frames() -> list[bytes]:
     group = b"\xdc" + (60_000).to_bytes(2, "big") + empties  # an array of 60,000 empty arrays
     nested = b"\xdc" + (130).to_bytes(2, "big") + group * 130  # 7.8 M empty arrays
     frames = []
-    for method in [b"batch_exists", b"report", b"get", b"nope"]:
+    for method in [b"batch_exists", b"batch_tiers", b"report", b"get", b"nope"]:
         head = b"\x94" + bytes([0xA0 | len(method)]) + method + b"\x01"
         frames.append(frame(head + b"\x91" + nested + b"\x80"))
     frames.append(frame(b"\xdd" + (8_000_000).to_bytes(4, "big") + b"\x90" * 8_000_000))

@@ -135,7 +135,7 @@ def test_pool_lookups_and_loads_run_off_the_engine_thread(pool, tiny_engine_fact
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     cold, _ = warm_pool(pool, tiny_engine_factory, prompt, sp)
     threads = []
-    for name in ("batch_exists", "batch_get_into_parts"):
+    for name in ("batch_tiers", "batch_get_into_parts"):
         real = getattr(pool, name)
 
         def spy(*a, _real=real, _name=name, **kw):
@@ -149,7 +149,7 @@ def test_pool_lookups_and_loads_run_off_the_engine_thread(pool, tiny_engine_fact
     eng.close()
     assert out.outputs[0].token_ids == cold and out.num_cached_tokens == 40
     assert eng.scheduler.stats.loads_started == 1
-    assert ("batch_exists", "kvpool-kv-lookup") in threads
+    assert ("batch_tiers", "kvpool-kv-lookup") in threads
     assert ("batch_get_into_parts", "kvpool-kv-load") in threads
     assert all(t.startswith("kvpool-kv-") for _, t in threads), threads  # never the step
 

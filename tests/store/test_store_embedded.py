@@ -124,6 +124,29 @@ def test_ssd_tier_offloads_and_promotes(tmp_path):
     assert not list((tmp_path / "ssd").iterdir())  # the tier's file goes with the node
 
 
+def test_batch_tiers_says_where_a_read_would_come_from(tmp_path):
+    import time
+
+    cfg = MasterConfig(lease_ttl=0.05, cooldown=0.2, high_watermark=0.9, low_watermark=0.6)
+    store = EmbeddedStore("8MiB", cfg, ssd_path=str(tmp_path / "ssd"), ssd_size="64MiB")
+    try:
+        keys = [f"t{i}" for i in range(16)]  # 16 MiB through 8 MiB of DRAM: some go to SSD
+        for k in keys:
+            store.put(k, os.urandom(1 << 20))
+        time.sleep(0.5)  # the offloads the puts started have finished (nothing reads meanwhile)
+        tiers = store.batch_tiers([*keys, "missing"])
+        assert tiers[-1] is None and set(tiers[:-1]) == {"dram", "ssd"}
+        for k, t in zip(keys, tiers, strict=False):
+            in_dram = any(r.tier == "dram" for r in store.replicas(k).replicas)
+            assert t == ("dram" if in_dram else "ssd")
+        assert store.batch_exists(keys) == [True] * len(keys)
+        for bad in ("t0", [1, 2], None):  # a clear 400, never an internal error
+            with pytest.raises(BadRequestError):
+                store.master.call("batch_tiers", bad)
+    finally:
+        store.close()
+
+
 def test_index_deltas_are_resent_until_acknowledged():
     """A heartbeat reply that never reaches the node loses no delta (at-least-once)."""
     import time

@@ -171,6 +171,10 @@ class StoreClient:
     def batch_exists(self, keys: list[str]) -> list[bool]:
         return self._batched("batch_exists", keys)
 
+    def batch_tiers(self, keys: list[str]) -> list[str | None]:
+        """Per key the tier a read would come from ("dram", "ssd"), or None when missing."""
+        return self._batched("batch_tiers", keys)
+
     def _put_starts(self, items: list, replicas: int | None, wire) -> list:
         """``batch_put_start``: per item the started put (an ``ObjectDesc``) or the
         ``KVPoolError`` that refused it, asking again for the items that got

@@ -75,6 +75,9 @@ class LoadCostModel:
         return float(np.sum(y) / np.sum(x) * nbytes)
 
 
+TIERS = ("dram", "ssd")  # the pool's tiers, as the master names them (batch_tiers)
+
+
 class FetchPolicy:
     """Decides, per request, how many of the blocks the pool holds to load."""
 
@@ -82,17 +85,24 @@ class FetchPolicy:
         self.block_bytes = block_bytes
         self.block_size = block_size
         self.remeasure_s = remeasure_s
-        self.loads = LoadCostModel()
+        # one load-cost model per pool tier (a block on SSD costs more than one in DRAM);
+        # ``loads`` is DRAM's, the fastest, used before a lookup says where blocks are
+        self.models = {tier: LoadCostModel() for tier in TIERS}
+        self.loads = self.models["dram"]
         self.stats = FetchStats()
         # seconds to compute n prompt tokens, and the engine's typical step (set by the engine)
         self.compute_s: Callable[[int], float] | None = None
         self.step_s: Callable[[], float] | None = None
-        self._probed = -float("inf")
+        self._probed: dict[str, float] = {}  # tier -> when it was last probed
 
-    def predicted_load_s(self, n_blocks: int, backlog: int = 0) -> float | None:
-        """Seconds until ``n_blocks`` are loaded and their request runs again, behind
-        ``backlog`` blocks of loads queued before it."""
-        load = self.loads.predict((n_blocks + backlog) * self.block_bytes)
+    def model(self, tier: str = "dram") -> LoadCostModel:
+        return self.models.get(tier, self.loads)
+
+    def predicted_load_s(self, n_blocks: int, backlog: int = 0,
+                         tier: str = "dram") -> float | None:  # fmt: skip
+        """Seconds until ``n_blocks`` (in ``tier``) are loaded and their request runs again,
+        behind ``backlog`` blocks of loads queued before it."""
+        load = self.model(tier).predict((n_blocks + backlog) * self.block_bytes)
         if load is None:
             return None
         step = self.step_s() if self.step_s is not None else 0.0
@@ -110,12 +120,14 @@ class FetchPolicy:
             return True
         return load < compute
 
-    def decide(self, n_blocks: int, backlog: int = 0) -> tuple[int, float | None]:
-        """(blocks to load, predicted seconds of that load); counted in ``stats``."""
+    def decide(self, n_blocks: int, backlog: int = 0,
+               tier: str = "dram") -> tuple[int, float | None]:  # fmt: skip
+        """(blocks to load, predicted seconds of that load) for ``n_blocks`` the pool holds in
+        ``tier`` (the slowest tier among them); counted in ``stats``."""
         if n_blocks <= 0:
             return 0, None
         compute = self.predicted_compute_s(n_blocks)
-        load = self.predicted_load_s(n_blocks, backlog)
+        load = self.predicted_load_s(n_blocks, backlog, tier)
         if load is None or compute is None:  # nothing to compare yet: load, and measure
             self.stats.loads += 1
             self.stats.measuring += 1
@@ -127,22 +139,24 @@ class FetchPolicy:
         self.stats.recomputes += 1
         return 0, None
 
-    def wants_probe(self) -> bool:
-        """True (once per ``remeasure_s``) when the load figures are stale: the caller reads a
-        few blocks in the background, into scratch memory, to refresh them (nobody waits)."""
+    def wants_probe(self, tier: str = "dram") -> bool:
+        """True (once per ``remeasure_s`` per tier) when ``tier``'s load figures are stale: the
+        caller reads a few blocks in the background, into scratch memory, to refresh them
+        (nobody waits)."""
         now = time.monotonic()
-        if not self._stale() or now - self._probed < self.remeasure_s:
+        if not self._stale(tier) or now - self._probed.get(tier, -float("inf")) < self.remeasure_s:
             return False
-        self._probed = now
+        self._probed[tier] = now
         self.stats.probes += 1
         return True
 
-    def _stale(self) -> bool:
-        return time.monotonic() - self.loads.last_sample > self.remeasure_s
+    def _stale(self, tier: str = "dram") -> bool:
+        return time.monotonic() - self.model(tier).last_sample > self.remeasure_s
 
-    def observe_load(self, n_blocks: int, seconds: float) -> None:
-        """The load thread moved ``n_blocks`` in ``seconds`` (feeds the cost model)."""
-        self.loads.observe(n_blocks * self.block_bytes, seconds)
+    def observe_load(self, n_blocks: int, seconds: float, tier: str = "dram") -> None:
+        """The load thread moved ``n_blocks`` from ``tier`` in ``seconds`` (feeds that tier's
+        cost model)."""
+        self.model(tier).observe(n_blocks * self.block_bytes, seconds)
 
     def observe_wait(self, seconds: float, predicted: float | None) -> None:
         """A request waited ``seconds`` for its load, from the decision to being runnable

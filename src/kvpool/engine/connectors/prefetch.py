@@ -36,22 +36,31 @@ def _yield_cpu() -> None:
 
 
 class PoolView:
-    """block hash -> (in the pool?, until when that is believed)."""
+    """block hash -> (in the pool?, until when that is believed, the tier it is in: "dram",
+    "ssd", or "" when not known)."""
 
     def __init__(self, present_ttl: float = 2.0, absent_ttl: float = 0.5) -> None:
         self.present_ttl = present_ttl
         self.absent_ttl = absent_ttl
-        self._entries: dict[bytes, tuple[bool, float]] = {}
+        self._entries: dict[bytes, tuple[bool, float, str]] = {}
         self._lock = threading.Lock()
 
-    def mark(self, hashes: list[bytes], present: list[bool] | bool) -> None:
+    def mark(self, hashes: list[bytes], present: list | bool) -> None:
+        """``present``: one flag for all, or per hash a flag or a tier name (None: absent)."""
         now = time.monotonic()
         flags = [present] * len(hashes) if isinstance(present, bool) else present
         with self._lock:
             if len(self._entries) + len(hashes) > MAX_VIEW_ENTRIES:
                 self._prune(now)
             for h, p in zip(hashes, flags, strict=True):
-                self._entries[h] = (p, now + (self.present_ttl if p else self.absent_ttl))
+                ttl = self.present_ttl if p else self.absent_ttl
+                self._entries[h] = (bool(p), now + ttl, p if isinstance(p, str) else "")
+
+    def tier(self, hashes: list[bytes]) -> str:
+        """The slowest tier believed to hold any of ``hashes`` ("dram" unless one is on SSD)."""
+        with self._lock:
+            slow = any(e is not None and e[2] == "ssd" for e in map(self._entries.get, hashes))
+        return "ssd" if slow else "dram"
 
     def leading(self, hashes: list[bytes]) -> tuple[int, bool]:
         """(how many leading hashes are believed present, whether the answer is final: False
@@ -80,6 +89,7 @@ class _Job:
     blocks: list[BlockRef]
     block_ids: list[int]
     source: object = None  # a KVHandle: read from the engine that holds the blocks first
+    tier: str = "dram"  # where the pool holds them (the slowest tier among them)
     cancelled: bool = False
     queued: float = field(default_factory=time.monotonic)
 
@@ -87,20 +97,20 @@ class _Job:
 class Prefetcher:
     """Background lookups and loads for the scheduler side of a connector.
 
-    ``exists(hashes) -> [bool]`` asks the pool; ``load(blocks, block_ids) -> int`` fills
+    ``exists(hashes) -> [tier or None]`` asks the pool (a flag per hash also works); ``load(blocks, block_ids) -> int`` fills
     blocks and returns how many leading ones loaded (both run on this object's threads and
     report failures by raising or returning short). ``max_loads``: loads queued or running at
     once (more: the scheduler is told to ask again later).
     """
 
-    def __init__(self, exists: Callable[[list[bytes]], list[bool]],
+    def __init__(self, exists: Callable[[list[bytes]], list],
                  load: Callable[[list[BlockRef], list[int], object], int], view: PoolView,
                  max_loads: int = 8, lookup_wait: float = 0.5, lookup_grace: float = 0.005,
-                 on_loaded: Callable[[int, float], None] | None = None,
+                 on_loaded: Callable[[int, float, str], None] | None = None,
                  probe: Callable[[list[bytes]], int] | None = None) -> None:  # fmt: skip
         self._exists = exists
         self._load = load
-        self._on_loaded = on_loaded  # (blocks asked, seconds) of each load that ran
+        self._on_loaded = on_loaded  # (blocks asked, seconds, tier) of each load that ran
         self._probe = probe  # reads blocks (by hash) into scratch memory: how many it read
         self.view = view
         self.max_loads = max_loads
@@ -154,8 +164,8 @@ class Prefetcher:
         return n
 
     def start_load(self, request_id: str, blocks: list[BlockRef], block_ids: list[int],
-                   source: object = None) -> None:  # fmt: skip
-        job = _Job(request_id, blocks, block_ids, source)
+                   source: object = None, tier: str = "dram") -> None:  # fmt: skip
+        job = _Job(request_id, blocks, block_ids, source, tier)
         with self._lock:
             self._jobs[request_id] = job
         self._asked.pop(request_id, None)
@@ -204,7 +214,7 @@ class Prefetcher:
             try:
                 present = self._exists(hashes)
             except Exception:  # the connector logged it and marked the pool down
-                present = [False] * len(hashes)
+                present = [None] * len(hashes)
             self.view.mark(hashes, present)
             answered.set()
             self._event.set()
@@ -231,7 +241,7 @@ class Prefetcher:
                 self.load_seconds += took
                 self.loads += 1
                 if self._on_loaded is not None and job.source is None and n == len(job.blocks):
-                    self._on_loaded(n, took)  # whole pool loads only: the cost model's samples
+                    self._on_loaded(n, took, job.tier)  # whole pool loads: the model's samples
                 hashes = [b.block_hash for b in job.blocks]
                 self.view.mark(hashes[:n], True)
                 self.view.mark(hashes[n : n + 1], False)
@@ -241,6 +251,7 @@ class Prefetcher:
             self._event.set()
 
     def _run_probe(self, hashes: list[bytes]) -> None:
+        tier = self.view.tier(hashes)
         t0 = time.perf_counter()
         try:
             n = self._probe(hashes)  # type: ignore[misc]
@@ -248,7 +259,7 @@ class Prefetcher:
             logger.debug("KV probe failed", exc_info=True)
             return
         if n == len(hashes) and self._on_loaded is not None:
-            self._on_loaded(n, time.perf_counter() - t0)
+            self._on_loaded(n, time.perf_counter() - t0, tier)
 
     def close(self) -> None:
         self._lookups.put(None)

@@ -73,6 +73,7 @@ class StoreConnector(KVConnector):
         self._use_policy = fetch_policy and async_load
         self.policy: FetchPolicy | None = None  # set at bind (it needs the block size)
         self._decided: dict[str, tuple[int, float | None]] = {}  # request -> (load?, predicted)
+        self._tiers: dict[str, str] = {}  # request -> the pool tier its blocks are in
         self._started: dict[str, tuple[float, float | None]] = {}  # request -> (when, predicted)
         self._use_direct = direct and async_load
         self.direct: DirectReads | None = None  # set at bind (it needs the KV tensor)
@@ -165,16 +166,14 @@ class StoreConnector(KVConnector):
         if n is None:
             return None, True
         if n and self.policy is not None:
+            tier = self._tiers.setdefault(rid, self.view.tier(hashes[:n]))
             if rid not in self._decided:
-                self._decided[rid] = self.policy.decide(n, backlog)
-                if not self._decided[rid][0] and self.policy.wants_probe():
+                self._decided[rid] = self.policy.decide(n, backlog, tier)
+                if not self._decided[rid][0] and self.policy.wants_probe(tier):
                     self._prefetch.probe(hashes[: min(n, PROBE_BLOCKS)])
             n = min(n, self._decided[rid][0])
-            if (
-                n
-                and not backlog
-                and self._quick(self.policy.loads.predict(n * self.policy.block_bytes))
-            ):
+            load_s = self.policy.model(tier).predict(n * self.policy.block_bytes)
+            if n and not backlog and self._quick(load_s):
                 return n * bs, False  # inside this step (see ``_quick``)
         return n * bs, n > 0
 
@@ -194,10 +193,12 @@ class StoreConnector(KVConnector):
         assert self._prefetch is not None, "asynchronous loads need async_load=True"
         rid = request.request_id
         self._started[rid] = (time.monotonic(), self._decided.get(rid, (0, None))[1])
-        self._prefetch.start_load(rid, blocks, block_ids, self._direct_jobs.pop(rid, None))
+        self._prefetch.start_load(rid, blocks, block_ids, self._direct_jobs.pop(rid, None),
+                                  self._tiers.pop(rid, "dram"))  # fmt: skip
 
     def request_finished(self, request_id: str) -> None:
         self._direct_jobs.pop(request_id, None)
+        self._tiers.pop(request_id, None)
         self._decided.pop(request_id, None)
         self._started.pop(request_id, None)
         if self._prefetch is not None:
@@ -227,10 +228,15 @@ class StoreConnector(KVConnector):
         if self._prefetch is not None:
             self._prefetch.wait(timeout)
 
-    def _exists(self, hashes: list[bytes]) -> list[bool]:
+    def _exists(self, hashes: list[bytes]) -> list:
+        """Per hash the pool tier that holds its block ("dram", "ssd"), or None (a client
+        without tiers, e.g. a test double: a flag)."""
         self.stats.lookups += 1
+        keys = [block_key(h) for h in hashes]
         try:
-            return self.client.batch_exists([block_key(h) for h in hashes])
+            if hasattr(self.client, "batch_tiers"):
+                return self.client.batch_tiers(keys)
+            return self.client.batch_exists(keys)
         except KVPoolError as exc:
             self._pool_failed("lookup", exc)
             raise
@@ -252,7 +258,8 @@ class StoreConnector(KVConnector):
         t0 = time.perf_counter()
         n = self._load_now(blocks, block_ids, source, quick=True)
         if source is None and self.policy is not None and n:
-            self.policy.observe_load(len(blocks), time.perf_counter() - t0)
+            tier = self.view.tier([b.block_hash for b in blocks])
+            self.policy.observe_load(len(blocks), time.perf_counter() - t0, tier)
         return n
 
     def _load_now(self, blocks: list[BlockRef], block_ids: list[int], source=None,

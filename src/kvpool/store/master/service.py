@@ -81,8 +81,8 @@ def _items(value: object, width: int, what: str) -> list[list]:
 
 
 def _keys(value: object) -> list[str]:
-    if not isinstance(value, list):
-        raise BadRequestError("keys must be a list")
+    if not isinstance(value, list) or not all(isinstance(k, str) for k in value):
+        raise BadRequestError("keys must be a list of strings")
     return value
 
 
@@ -327,6 +327,14 @@ class MasterService:
     def batch_exists(self, keys: list[str]) -> list[bool]:
         with self.lock:
             return [self.state.exists(k) for k in _keys(keys)]
+
+    @rpc_method(bulk=True)
+    def batch_tiers(self, keys: list[str]) -> list[str | None]:
+        """Per key the tier a read would come from ("dram", "ssd") or None when missing (a
+        read lease, as ``batch_exists``): what a connector weighs a load against recomputing
+        with."""
+        with self.lock:
+            return [self.state.tier(k) for k in _keys(keys)]
 
     @rpc_method
     def remove(self, key: str, force: bool = False) -> bool:

@@ -235,6 +235,14 @@ class MasterState:
             meta.lease_until = max(meta.lease_until, self.clock() + self.config.lease_ttl)
         return found
 
+    def tier(self, key: str) -> str | None:
+        """``exists`` that also says where a read would come from: "dram" if a DRAM replica
+        holds ``key``, else "ssd"; None when it is not a COMPLETE object."""
+        if not self.exists(key):
+            return None
+        meta = self.objects[key]
+        return Tier.DRAM.value if meta.replicas_on(Tier.DRAM) else Tier.SSD.value
+
     def remove(self, key: str, force: bool = False) -> None:
         meta = self.objects.get(key)
         if meta is None or meta.state is not ObjectState.COMPLETE:
