@@ -79,6 +79,12 @@ def single_engine_chat(llm, messages, max_tokens=24) -> str:
     return out.outputs[0].text
 
 
+def first_tokens_from_prefill(client) -> float:
+    text = httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics", timeout=10).text
+    line = [x for x in text.splitlines() if x.startswith("kvpool_first_tokens_from_prefill_total")]
+    return float(line[0].split()[-1])
+
+
 def test_cluster_document_and_health(cluster):
     doc = cluster_doc(cluster[1])
     roles = sorted(w["role"] for w in doc["workers"])
@@ -98,14 +104,22 @@ def test_multi_turn_chat_reuses_the_prefix_and_matches_one_engine(client, refere
     assert answer == single_engine_chat(reference, turn1)
     turn2 = [*turn1, {"role": "assistant", "content": answer},
              {"role": "user", "content": "And the capital of Italy?"}]  # fmt: skip
+    early = first_tokens_from_prefill(client)
     stream = chat(client, turn2, stream=True, stream_options={"include_usage": True})
-    text, usage = "", None
+    text, usage, ids = "", None, set()
     for chunk in stream:
+        ids.add(chunk.id)
         if chunk.choices:
             text += chunk.choices[0].delta.content or ""
         usage = chunk.usage or usage
     assert text == single_engine_chat(reference, turn2)
     assert usage.prompt_tokens_details.cached_tokens > 0  # turn 1's prefix was reused
+    from kvpool import SamplingParams
+
+    ref = reference.chat(turn2, SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    assert usage.completion_tokens == len(ref.token_ids) and len(ids) == 1  # one stream
+    # its first token came from the prefill worker, sent by the conductor
+    assert first_tokens_from_prefill(client) == early + 1
 
 
 def test_prefix_computed_on_one_prefill_worker_is_loaded_by_the_other(cluster, client):

@@ -19,6 +19,9 @@ def test_round_trip():
     assert back == req and back.kv_handle.by_index()[1].block_id == 9
     bare = DecodeRequest("r2", "completion", [5], {})
     assert DecodeRequest.from_wire(bare.to_wire()) == bare
+    going_on = DecodeRequest("r3", "chat", [5], {"max_tokens": 4}, True, first_token=11,
+                             response_id="chatcmpl-1", created=1700000000)  # fmt: skip
+    assert DecodeRequest.from_wire(unpack(pack(going_on.to_wire()))) == going_on
 
 
 @pytest.mark.parametrize(
@@ -36,6 +39,12 @@ def test_round_trip():
         lambda d: d["kv_handle"].update(blocks=[[0, -1, "00", 5]]),
         lambda d: d["kv_handle"].update(blocks=[[0, 1, "00"]]),
         lambda d: d.update(kv_handle="here"),
+        lambda d: d.update(first_token=3, response_id="c", created=1),  # not a stream
+        lambda d: d.update(stream=True, first_token=3),  # no id and time to go on with
+        lambda d: d.update(stream=True, first_token=-3, response_id="c", created=1),
+        lambda d: d.update(stream=True, first_token=True, response_id="c", created=1),
+        lambda d: d.update(stream=True, first_token=3, response_id="", created=1),
+        lambda d: d.update(stream=True, first_token=3, response_id="c", created="now"),
     ],
 )
 def test_malformed_is_a_protocol_error(change):

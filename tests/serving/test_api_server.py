@@ -202,6 +202,32 @@ def test_internal_generate_takes_tokens_and_reports_the_given_cached_tokens(clie
                    if e.get("choices")) == public["choices"][0]["text"]  # fmt: skip
 
 
+def test_internal_generate_goes_on_from_a_first_token_already_streamed(client):
+    """The conductor streamed the answer's first token (from the prefill): the decode worker
+    sends the rest under the same id, without the opening chunk, and counts all of them."""
+    ids = list(range(5, 25))
+    public = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 6,
+                                                   "temperature": 0}).json()  # fmt: skip
+    tok = client.app.state.server.client.engine.tokenizer
+    first = tok.encode(public["choices"][0]["text"], add_special_tokens=False)[0]
+    body = {"request_id": "d2", "kind": "chat", "token_ids": ids, "stream": True,
+            "include_usage": True, "params": {"max_tokens": 6, "temperature": 0.0},
+            "first_token": first, "response_id": "chatcmpl-given", "created": 1700000000}  # fmt: skip
+    r = client.post("/internal/generate", json=body)
+    assert r.status_code == 200, r.text
+    events = [e for e in sse_events(r.text.splitlines()) if e != "[DONE]"]
+    assert {e["id"] for e in events} == {"chatcmpl-given"}
+    assert {e["created"] for e in events} == {1700000000}
+    assert all("role" not in e["choices"][0]["delta"] for e in events if e.get("choices"))
+    rest = "".join(e["choices"][0]["delta"].get("content", "") for e in events
+                   if e.get("choices"))  # fmt: skip
+    assert tok.decode([first]) + rest == public["choices"][0]["text"]
+    assert events[-1]["usage"]["completion_tokens"] == 6
+    assert events[-1]["usage"]["prompt_tokens"] == len(ids)
+    r = client.post("/internal/generate", json={**body, "params": {"max_tokens": 1}})
+    assert r.status_code == 400  # nothing left to go on with
+
+
 @pytest.mark.parametrize(
     "body",
     [

@@ -51,6 +51,7 @@ from kvpool.engine.limits import check_context_length, check_prompt_chars, check
 from kvpool.engine.sampling import SamplingParams
 from kvpool.protocol.decode import DecodeRequest, KVHandle
 from kvpool.protocol.kv_object import block_key
+from kvpool.serving.formats import ChatFormat, CompletionFormat, sse
 from kvpool.serving.http_errors import ModelNotFoundError
 from kvpool.serving.openai_app import build_openai_app
 from kvpool.serving.protocol import ChatCompletionRequest, CompletionRequest, parse_request
@@ -198,30 +199,47 @@ class Conductor:
         flight = self._take_flight(route)
         response: Response | None = None
         try:
-            cached, handle = await self._prefill(route, ids) if route.prefill is not None \
-                else (None, None)  # fmt: skip
+            cached, handle, first = await self._prefill(route, ids) if route.prefill is not None \
+                else (None, None, None)  # fmt: skip
             url = f"http://{self._http_of(route.decode.worker_id)}/internal/generate"
             self.metrics.routed.labels(route.decode.worker_id, "decode").inc()
-            decode = DecodeRequest(
-                f"decode-{uuid.uuid4().hex}",
-                parsed.kind,
-                ids,
-                parsed.params,
-                stream,
-                parsed.include_usage,
-                cached,
-                handle,
-            )
+            decode = DecodeRequest(f"decode-{uuid.uuid4().hex}", parsed.kind, ids, parsed.params,
+                                   stream, parsed.include_usage, cached, handle)  # fmt: skip
+            opening = self._first_from_prefill(parsed, first, decode) if stream else []
             body = json.dumps(decode.to_wire()).encode()
             if stream:
                 response = RelayResponse(self.relay.stream(url, body, route.decode.worker_id,
-                                                           t0, flight), flight)  # fmt: skip
+                                                           t0, flight, opening), flight)  # fmt: skip
                 return response
             return await self.relay.json(request, url, body, route.decode.worker_id, t0,
                                          flight)  # fmt: skip
         finally:
             if response is None:  # a stream's flight ends with its response, any other here
                 flight.release()
+
+    def _first_from_prefill(self, parsed: Parsed, first: list | None,
+                            decode: DecodeRequest) -> list[str]:  # fmt: skip
+        """The stream's opening chunks with the answer's first token, which the prefill worker
+        computed (greedily) with the prompt: sent now, one decode step before the decode
+        worker could, which goes on from it (``decode`` is told). Only where that token is
+        the answer's whatever follows: greedy, no stop conditions, a token that is whole
+        text; else ``[]`` and the decode worker streams everything."""
+        p = parsed.params
+        if not first or not isinstance(first[0], int) or int(p.get("max_tokens") or 0) < 2:
+            return []
+        if p.get("temperature", 1.0) != 0 or p.get("stop") or p.get("stop_token_ids"):
+            return []
+        t1 = first[0]
+        if t1 in self.tok.eos_token_ids and not p.get("ignore_eos"):
+            return []
+        text = self.tok.decode([t1], skip_special_tokens=p.get("skip_special_tokens", True))
+        if not text or "\ufffd" in text:  # a token that is part of a character: not alone
+            return []
+        fmt = (ChatFormat if parsed.kind == "chat" else CompletionFormat)(
+            self.model_name, parsed.include_usage)  # fmt: skip
+        decode.first_token, decode.response_id, decode.created = t1, fmt.id, fmt.created
+        self.metrics.first_from_prefill.inc()
+        return [sse(c) for c in [*fmt.first_chunks(), *fmt.delta_chunks(text, None)]]
 
     def _take_flight(self, route: Route) -> Flight:
         self.inflight += 1
@@ -244,13 +262,13 @@ class Conductor:
             raise UnavailableError(f"worker {worker_id} is gone")
         return w.view.address
 
-    async def _prefill(self, route: Route, ids: list[int]) -> tuple[int | None, KVHandle | None]:
+    async def _prefill(self, route: Route, ids: list[int]) -> tuple:
         """Run the prompt on the prefill worker; (the prompt tokens it reused, where its KV
-        is for the decode worker to read), or (None, None) if it failed."""
+        is for the decode worker to read, the greedy first token), or Nones if it failed."""
         assert route.prefill is not None
         w = self.cluster.worker(route.prefill.worker_id)
         if w is None or w.view is None:
-            return None, None
+            return None, None, None
         self.metrics.routed.labels(w.view.id, "prefill").inc()
         rid = f"prefill-{uuid.uuid4().hex}"
         t0 = time.perf_counter()
@@ -271,8 +289,7 @@ class Conductor:
             pool = self._prefill_rpcs.setdefault(address, pool)
         return pool
 
-    async def _run_prefill(self, w, rid: str, ids: list[int],
-                           t0: float) -> tuple[int | None, KVHandle | None]:  # fmt: skip
+    async def _run_prefill(self, w, rid: str, ids: list[int], t0: float) -> tuple:
         pool = self._prefill_pool(w.view.rpc)
 
         def call() -> dict:
@@ -281,14 +298,16 @@ class Conductor:
         try:
             result = await asyncio.get_running_loop().run_in_executor(self._prefills, call)
             self.metrics.prefill.observe(time.perf_counter() - t0)
-            return int(result.get("cached_tokens") or 0), _handle(result.get("kv_handle"))
+            first = result.get("first_token")
+            return (int(result.get("cached_tokens") or 0), _handle(result.get("kv_handle")),
+                    first if isinstance(first, list) else None)  # fmt: skip
         except _CLIENT_FAULTS:
             raise  # the request is bad, not the worker: the client hears why
         except KVPoolError as exc:  # the decode worker will compute the prompt itself
             logger.warning("prefill on %s failed (%s); decode computes it", w.view.id, exc)
             if not isinstance(exc, RejectedError | BackpressureError):  # busy is not broken
                 self.cluster.mark_failed(w.view.id)
-            return None, None
+            return None, None, None
 
 
 def _handle(wire: object) -> KVHandle | None:

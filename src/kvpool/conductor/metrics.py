@@ -128,6 +128,10 @@ class ConductorMetrics:
             buckets=E2E_BUCKETS,
             registry=r,
         )
+        self.first_from_prefill = Counter(
+            "kvpool_first_tokens_from_prefill",
+            "Streams whose first token the conductor sent from the prefill result (greedy "
+            "requests), before the decode worker's first step.", registry=r)  # fmt: skip
         self.prefill = Histogram("kvpool_prefill_handoff_seconds",
                                  "Prefill worker time including publishing its KV blocks.",
                                  buckets=TTFT_BUCKETS, registry=r)  # fmt: skip

@@ -102,12 +102,18 @@ class Relay:
             self.metrics.e2e.observe(time.perf_counter() - t0)
         return Response(content, resp.status_code, media_type="application/json")
 
-    async def stream(self, url: str, body: bytes, worker: str, t0: float,
-                     flight: Flight) -> AsyncIterator[bytes]:  # fmt: skip
+    async def stream(self, url: str, body: bytes, worker: str, t0: float, flight: Flight,
+                     opening: list[str] = ()) -> AsyncIterator[bytes]:  # fmt: skip
+        """``opening``: chunks sent before the worker's (the first token, from the prefill)."""
         first = last = None
         chunks = 0
         flight.outcome = "error"
         try:
+            if opening:
+                first = last = time.perf_counter()
+                self.metrics.ttft.observe(first - t0)
+                chunks = sum(1 for c in opening if c.startswith("data: "))
+                yield "".join(opening).encode()
             resp = await self.http.send(self.http.build_request("POST", url, content=body,
                                                                 headers=JSON), stream=True)  # fmt: skip
             try:

@@ -77,13 +77,20 @@ class DecodeRequest:
     include_usage: bool = False
     cached_tokens: int | None = None  # prompt tokens the prefill reused (reported as usage)
     kv_handle: KVHandle | None = None
+    # the answer's first token, which the prefill worker produced and the conductor already
+    # streamed (chunks with ``response_id`` and ``created``): the decode worker goes on from it
+    first_token: int | None = None
+    response_id: str | None = None
+    created: int | None = None
 
     def to_wire(self) -> dict:
         return {"request_id": self.request_id, "kind": self.kind, "token_ids": self.token_ids,
                 "params": self.params, "stream": self.stream,
                 "include_usage": self.include_usage,
                 "cached_tokens": self.cached_tokens,
-                "kv_handle": self.kv_handle.to_wire() if self.kv_handle else None}  # fmt: skip
+                "kv_handle": self.kv_handle.to_wire() if self.kv_handle else None,
+                "first_token": self.first_token, "response_id": self.response_id,
+                "created": self.created}  # fmt: skip
 
     @classmethod
     def from_wire(cls, d: object) -> DecodeRequest:
@@ -99,5 +106,14 @@ class DecodeRequest:
         cached = d.get("cached_tokens")
         _need(cached is None or (isinstance(cached, int) and cached >= 0), "cached_tokens")
         handle = d.get("kv_handle")
+        first, rsp, created = d.get("first_token"), d.get("response_id"), d.get("created")
+        _need(first is None or (isinstance(first, int) and not isinstance(first, bool)
+                                and first >= 0), "first_token")  # fmt: skip
+        _need(first is None or bool(d.get("stream")), "first_token is for streams only")
+        _need((first is None) == (rsp is None) == (created is None),
+              "first_token, response_id and created go together")  # fmt: skip
+        _need(rsp is None or (isinstance(rsp, str) and 0 < len(rsp) <= 256), "response_id")
+        _need(created is None or (isinstance(created, int) and created >= 0), "created")
         return cls(rid, kind, ids, params, bool(d.get("stream")), bool(d.get("include_usage")),
-                   cached, None if handle is None else KVHandle.from_wire(handle))  # fmt: skip
+                   cached, None if handle is None else KVHandle.from_wire(handle),
+                   first, rsp, created)  # fmt: skip

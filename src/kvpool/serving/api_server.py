@@ -8,6 +8,7 @@ away aborts its request, which frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -129,11 +130,18 @@ class OpenAIServer:
             params = SamplingParams(**req.params)
         except (ValueError, TypeError, ProtocolError) as exc:
             raise BadRequestError(f"bad decode request: {exc}") from None
-        self.client.engine.check_length(len(req.token_ids), params)
+        ids, sent = req.token_ids, 0
+        if req.first_token is not None:  # the conductor streamed it: go on from there
+            if params.max_tokens is None or params.max_tokens < 2:
+                raise BadRequestError("bad decode request: first_token needs max_tokens >= 2")
+            ids, sent = [*ids, req.first_token], 1
+            params = dataclasses.replace(params, max_tokens=params.max_tokens - 1,
+                                         min_tokens=max(0, params.min_tokens - 1))  # fmt: skip
+        self.client.engine.check_length(len(ids), params)
         cls = ChatFormat if req.kind == "chat" else CompletionFormat
-        fmt = cls(self.model_name, req.include_usage)
-        return await self._respond(request, req.token_ids, params, fmt, req.stream,
-                                   req.kv_handle, req.cached_tokens)  # fmt: skip
+        fmt = cls(self.model_name, req.include_usage, req.response_id, req.created, sent)
+        return await self._respond(request, ids, params, fmt, req.stream, req.kv_handle,
+                                   req.cached_tokens)  # fmt: skip
 
     async def _respond(
         self,
@@ -195,8 +203,9 @@ class OpenAIServer:
         # Text that may still turn out to start a stop string is held back until it cannot.
         hold = max((len(s) for s in params.stop_strings), default=1) - 1
         sent = 0
-        for chunk in fmt.first_chunks():
-            yield sse(chunk)
+        if not fmt.sent:  # else the conductor sent the opening chunks with the first token
+            for chunk in fmt.first_chunks():
+                yield sse(chunk)
         try:
             async for out in self.client.generate(ids, params, fmt.id, kv_handle):
                 if cached_tokens is not None:

@@ -11,10 +11,12 @@ from kvpool.engine.request import RequestOutput
 _OPENAI_FINISH = {"stop": "stop", "length": "length", "abort": "stop", "error": "stop"}
 
 
-def usage(out: RequestOutput) -> dict:
-    """The ``usage`` object, with the prefix-cache hit as ``prompt_tokens_details``."""
-    prompt = len(out.prompt_token_ids)
-    completion = len(out.outputs[0].token_ids)
+def usage(out: RequestOutput, sent: int = 0) -> dict:
+    """The ``usage`` object, with the prefix-cache hit as ``prompt_tokens_details``; ``sent``:
+    leading tokens of the prompt that are really the answer's first ones (produced by the
+    prefill worker, streamed by the conductor)."""
+    prompt = len(out.prompt_token_ids) - sent
+    completion = len(out.outputs[0].token_ids) + sent
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -46,11 +48,13 @@ class _Format:
     object_chunk = ""
     id_prefix = ""
 
-    def __init__(self, model: str, include_usage: bool = False) -> None:
-        self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
-        self.created = int(time.time())
+    def __init__(self, model: str, include_usage: bool = False, id: str | None = None,
+                 created: int | None = None, sent: int = 0) -> None:  # fmt: skip
+        self.id = id or f"{self.id_prefix}{uuid.uuid4().hex}"
+        self.created = int(time.time()) if created is None else created
         self.model = model
         self.include_usage = include_usage
+        self.sent = sent  # answer tokens already streamed by someone else (see ``usage``)
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {
@@ -71,7 +75,7 @@ class _Format:
     def usage_chunk(self, out: RequestOutput) -> dict:
         """The last chunk of a stream with ``stream_options.include_usage``."""
         body = self._envelope(self.object_chunk, [])
-        body["usage"] = usage(out)
+        body["usage"] = usage(out, self.sent)
         return body
 
     def first_chunks(self) -> list[dict]:
@@ -98,7 +102,7 @@ class CompletionFormat(_Format):
             "finish_reason": finish_reason(out),
         }
         body = self._envelope(self.object_full, [choice])
-        body["usage"] = usage(out)
+        body["usage"] = usage(out, self.sent)
         return body
 
     def delta_chunks(self, delta: str, finish: str | None) -> list[dict]:
@@ -123,7 +127,7 @@ class ChatFormat(_Format):
             "finish_reason": finish_reason(out),
         }
         body = self._envelope(self.object_full, [choice])
-        body["usage"] = usage(out)
+        body["usage"] = usage(out, self.sent)
         return body
 
     def first_chunks(self) -> list[dict]:
