@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from procs import kvpool_cmd, serve
+from support.procs import kvpool_cmd, serve
 
 from kvpool.bench.launch import MEASURE_FLAGS
 
