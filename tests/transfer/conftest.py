@@ -1,5 +1,5 @@
-"""The transfer tests' fixtures (in ``support.transfer``), real peer processes included."""
+"""Fixtures shared with tests/integration/transfer (they live in ``support.transfer``)."""
 
 from __future__ import annotations
 
-from support.transfer import engine_factory, metadata, peer_factory  # noqa: F401 - fixtures
+from support.transfer import engine_factory, metadata  # noqa: F401 - fixtures

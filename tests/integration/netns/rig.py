@@ -27,7 +27,7 @@ from pathlib import Path
 from support.process import Process
 
 NETS = {"data": "10.201.0", "ctl": "10.202.0"}
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def available() -> str | None:
