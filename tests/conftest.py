@@ -105,7 +105,7 @@ def tiny_engine_factory(tiny_model):
 @pytest.fixture(scope="session")
 def etcd(tmp_path_factory):
     """A real etcd server for the whole session (``.endpoint`` is ``127.0.0.1:PORT``)."""
-    from services import EtcdProcess
+    from support.etcd import EtcdProcess
 
     server = EtcdProcess(tmp_path_factory.mktemp("etcd"))
     yield server

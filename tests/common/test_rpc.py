@@ -17,7 +17,7 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from raw_rpc import frame, raw_reply, recv_exact, request, serve_handshake
+from support.raw_rpc import frame, raw_reply, recv_exact, request, serve_handshake
 
 from kvpool.common.errors import (
     BadRequestError,
@@ -96,7 +96,7 @@ def client(server):
 
 
 def raw_conn(server: RpcServer) -> socket.socket:
-    from raw_rpc import raw_conn as connect
+    from support.raw_rpc import raw_conn as connect
 
     return connect(server.port)
 

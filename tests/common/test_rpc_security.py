@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from raw_rpc import frame, handshake, raw_conn, read_frame, request, serve_handshake
+from support.raw_rpc import frame, handshake, raw_conn, read_frame, request, serve_handshake
 
 from kvpool.common import auth
 from kvpool.common.errors import AuthError, ForbiddenError, ProtocolError

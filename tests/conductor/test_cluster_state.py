@@ -1,5 +1,5 @@
 """The conductor's poller against real RPC servers standing in for workers (a unit-test seam;
-the real workers are in tests/e2e)."""
+the real workers are in tests/integration/e2e)."""
 
 from __future__ import annotations
 

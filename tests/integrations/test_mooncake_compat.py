@@ -174,7 +174,7 @@ def test_pointers_outside_registered_memory_are_refused(pool):
 def test_setup_failures_return_codes(master):
     store = MooncakeDistributedStore()
     store.setup_timeout = 0.5
-    from services import free_port
+    from support.ports import free_port
 
     t0 = time.monotonic()
     dead = f"127.0.0.1:{free_port()}"

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from procs import serve
+from support.procs import serve
 
 from kvpool.common import auth
 

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 from conftest import Cluster, closed_within
-from raw_rpc import frame, raw_conn, read_frame, request
+from support.raw_rpc import frame, raw_conn, read_frame, request
 
 from kvpool.common.errors import (
     AlreadyExistsError,

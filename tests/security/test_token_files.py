@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from procs import Proc
+from support.procs import Proc
 
 from kvpool.common import auth
 from kvpool.common.errors import AuthError, ForbiddenError

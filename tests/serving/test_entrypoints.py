@@ -1,4 +1,4 @@
-"""Entry points' argument handling (the model-loading path is covered by tests/e2e)."""
+"""Entry points' argument handling (the model-loading path is covered by tests/integration/e2e)."""
 
 from __future__ import annotations
 

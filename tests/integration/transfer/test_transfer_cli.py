@@ -22,7 +22,7 @@ def start(*argv: str) -> tuple[subprocess.Popen, dict]:
 
 
 def test_metadata_service_and_peer_with_metrics(engine_factory):
-    from services import free_port
+    from support.ports import free_port
 
     meta, info = start("metadata", "--port", str(free_port()))
     mport = free_port()

@@ -18,7 +18,7 @@ def golden() -> dict:
     recorded = diff.load_golden()
     assert recorded["scenarios_digest"] == diff.digest(), (
         "mooncake_scenarios.py changed since the recording: rerun "
-        "`.venv/bin/python tests/integrations/mooncake_diff.py --record`"
+        "`.venv/bin/python tests/integration/mooncake/mooncake_diff.py --record`"
     )
     return recorded
 

@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from procs import Proc
+from support.procs import Proc
 
 from kvpool.common.errors import BadRequestError, NotFoundError
 from kvpool.config import TransferConfig
@@ -24,7 +24,7 @@ def cluster():
     meta = MetadataServer()
 
     def make(replicas: int = 1, nodes: int = 2, memory: str = "32MiB"):
-        from services import free_port
+        from support.ports import free_port
 
         port = free_port()
         master = Proc("store", "master", "--port", str(port), "--replicas", str(replicas),
@@ -105,7 +105,7 @@ def test_master_and_node_stop_cleanly_without_shm_leftovers(cluster):
 def test_metrics_and_health_endpoints():
     import urllib.request
 
-    from services import free_port
+    from support.ports import free_port
 
     meta = MetadataServer()
     mport, nport = free_port(), free_port()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import serve
+from support.procs import serve
 
 openai = pytest.importorskip("openai")
 

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from procs import Proc
+from support.procs import Proc
 
 from kvpool.common.errors import NotFoundError, PutInProgressError
 from kvpool.common.rpc import RpcClient

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from services import free_port
+
+from support.ports import free_port
+from support.process import Process
 
 STARTUP_TIMEOUT = 240.0  # the first start converts the GGUF into ~/.cache/kvpool
 
@@ -44,47 +46,24 @@ def serve(log: Path, *flags: str, env: dict | None = None, headers: dict | None 
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")},
            "HF_HUB_OFFLINE": "1", **(env or {})}  # fmt: skip
     cmd = [*kvpool_cmd(), "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    server = Process(cmd, log=log, env=env, name="kvpool serve")  # stdout and stderr: the log
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(proc, url, log, headers)
-        yield proc, url
+        wait_healthy(server.proc, url, log, headers)
+        yield server.proc, url
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-                pytest.fail(f"kvpool serve ignored SIGTERM:\n{log.read_text()}")
-    assert proc.returncode == 0, log.read_text()
+        server.stop(signal.SIGTERM, timeout=60)
+        if server.killed:
+            pytest.fail(f"kvpool serve ignored SIGTERM:\n{log.read_text()}")
+    assert server.proc.returncode == 0, log.read_text()
     assert "ready on" in log.read_text() and "stopped" in log.read_text()
 
 
-class Proc:
+class Proc(Process):
     """A ``kvpool`` subcommand that prints one JSON line when ready (store, worker); ``env``:
-    extra environment."""
+    extra environment. Its stderr is inherited (pytest shows it with a failure)."""
 
     def __init__(self, *argv: str, env: dict | None = None) -> None:
-        import json
-
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
-        self.proc = subprocess.Popen([*kvpool_cmd(), *argv], stdout=subprocess.PIPE, text=True,
-                                     env=env)  # fmt: skip
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{argv} exited with {self.proc.wait(10)}")
-        self.info = json.loads(line)
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.proc.stdout.close()
-        return self.proc.returncode
+        super().__init__([*kvpool_cmd(), *argv], pipe_stdout=True, env=env,
+                         ready=STARTUP_TIMEOUT, name=f"kvpool {' '.join(argv[:4])}")  # fmt: skip

@@ -14,10 +14,8 @@ host sends (``tc`` token bucket). Needs root and iproute2.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -26,8 +24,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from support.process import Process
+
 NETS = {"data": "10.201.0", "ctl": "10.202.0"}
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def available() -> str | None:
@@ -53,38 +53,20 @@ class Host:
         return self.addrs[net]
 
 
-class RigProc:
-    """A process inside a host; ``info``: the JSON line it printed when ready (if asked)."""
+class RigProc(Process):
+    """A process inside a host (the support ``Process``, started through ``ip netns exec`` and
+    ``unshare``); ``info``: the JSON line it printed when ready (if asked)."""
 
     def __init__(self, rig: Rig, host: Host, argv: list[str], log: Path, env: dict,
                  ready_line: bool, stdin: bool = False, capture: bool = False) -> None:  # fmt: skip
-        self.host, self.argv, self.log = host, argv, log
+        self.host = host
         script = 'mount -t tmpfs -o size=2g tmpfs /dev/shm && exec "$@"'
         cmd = ["ip", "netns", "exec", host.ns, "unshare", "--mount", "--propagation", "private",
                "sh", "-c", script, "sh", *argv]  # fmt: skip
-        self._err = log.open("wb")
-        piped = ready_line or stdin or capture
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE if piped else self._err,
-                                     stderr=self._err,
-                                     stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                                     env=env, text=True)  # fmt: skip
-        self.info: dict = {}
-        if ready_line:
-            self.info = json.loads(self.readline(240))
+        super().__init__(cmd, log=log, pipe_stdout=ready_line or stdin or capture,
+                         stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, env=env,
+                         ready=240 if ready_line else None, name=f"{argv[:4]} on {host.name}")  # fmt: skip
         rig.procs.append(self)
-
-    def readline(self, timeout: float) -> str:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line:
-            raise RuntimeError(f"{self.argv[:4]} on {self.host.name}: no output within "
-                               f"{timeout:.0f} s (exit {self.proc.poll()}):\n{self.tail()}")  # fmt: skip
-        return line
-
-    def tail(self, lines: int = 30) -> str:
-        self._err.flush()
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
 
     def rss_peak_mib(self) -> float:
         """The peak resident memory of the process (VmHWM), MiB."""
@@ -93,23 +75,6 @@ class RigProc:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) / 1024
         raise RuntimeError("no VmHWM")
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
-
-    def close_files(self) -> None:
-        for f in (self.proc.stdout, self.proc.stdin):
-            if f is not None:
-                with contextlib.suppress(OSError):
-                    f.close()
-        self._err.close()
 
 
 class Rig:
@@ -208,7 +173,7 @@ class Rig:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc is not None and proc.proc.poll() is not None:
-                raise RuntimeError(f"{proc.argv[:3]} exited:\n{proc.tail()}")
+                raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
             if self.curl(host, url, headers, timeout=2)[0] == 200:
                 return
             time.sleep(0.5)
@@ -238,8 +203,7 @@ class Rig:
 
     def close(self) -> None:
         for proc in reversed(self.procs):
-            proc.stop(signal.SIGKILL, timeout=10)
-            proc.close_files()
+            proc.stop(signal.SIGKILL, timeout=10)  # and closes its pipes and log
         for host in self.hosts.values():
             subprocess.run(["ip", "netns", "del", host.ns], capture_output=True)
         subprocess.run(["ip", "netns", "del", self.switch], capture_output=True)

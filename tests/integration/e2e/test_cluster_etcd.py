@@ -10,7 +10,8 @@ import time
 
 import httpx
 import pytest
-from procs import Proc, free_port, kvpool_cmd, wait_healthy
+from support.ports import free_port
+from support.procs import Proc, kvpool_cmd, wait_healthy
 
 openai = pytest.importorskip("openai")
 

@@ -5,7 +5,7 @@ Mooncake runs from the benchmarks' virtualenv (``.cache/bench/mooncake-venv``, m
 ``benchmarks/peers/mooncake_transfer_peer.py``; never by ``make test``). Where it is missing,
 the comparison is against the recording in ``tests/data/mooncake_golden.json``, made with::
 
-    .venv/bin/python tests/integrations/mooncake_diff.py --record   # installs the peer if needed
+    .venv/bin/python tests/integration/mooncake/mooncake_diff.py --record   # installs the peer if needed
 
 which also prints the report (methods covered, calls compared, mismatches). The recording
 carries a digest of the scenarios: a changed scenario needs a new recording.
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+ROOT = HERE.parents[2]
 SCENARIOS = HERE / "mooncake_scenarios.py"
 GOLDEN = ROOT / "tests" / "data" / "mooncake_golden.json"
 sys.path.insert(0, str(HERE))

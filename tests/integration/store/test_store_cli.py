@@ -37,7 +37,7 @@ def test_yaml_rejects_unknown_settings(tmp_path):
 
 
 def test_master_process_reads_its_config(tmp_path):
-    from services import free_port
+    from support.ports import free_port
 
     port = free_port()
     cfg = tmp_path / "master.yaml"

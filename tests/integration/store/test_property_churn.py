@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import random
-import select
 import subprocess
 import sys
 import time
@@ -25,8 +24,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import Proc
-from services import free_port
+from support.ports import free_port
+from support.process import Process
+from support.procs import Proc
 
 MiB = 1 << 20
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
@@ -40,28 +40,25 @@ def digest(n: int, seed: int) -> str:
     return hashlib.blake2b(random.Random(seed).randbytes(n), digest_size=8).hexdigest()
 
 
-class Client:
+class Client(Process):
     """A churn_client.py process: send commands, read replies (bounded waits)."""
 
     def __init__(self, master: str, segment: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(CLIENT), master, str(segment)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**ENV, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+        super().__init__([sys.executable, str(CLIENT), master, str(segment)], pipe_stdout=True,
+                         stdin=subprocess.PIPE, env={**ENV, "PYTHONUNBUFFERED": "1"},
+                         name="churn client")  # fmt: skip
         hello = self._line(120)
         assert hello["ready"] == 0, hello
         self.hostname = hello["hostname"] if segment else None
 
-    def send(self, cmd: dict) -> None:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
+    def send(self, cmd: dict) -> None:  # one JSON line
+        super().send(json.dumps(cmd))
 
     def _line(self, timeout: float) -> dict:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            pytest.fail(f"client did not answer within {timeout:.0f} s (a hang)")
-        line = self.proc.stdout.readline()
-        assert line, f"client exited with {self.proc.poll()}"
-        return json.loads(line)
+        try:
+            return json.loads(self.readline(timeout))
+        except RuntimeError as exc:  # no line within the timeout (a hang), or it exited
+            pytest.fail(str(exc))
 
     def reply(self, timeout: float = ROUND_TIMEOUT):
         out = self._line(timeout)
@@ -73,12 +70,7 @@ class Client:
         return self.reply()
 
     def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        self.stop(None)  # end of its stdin; SIGKILL after 30 s
 
 
 @dataclass

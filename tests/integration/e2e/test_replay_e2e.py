@@ -8,12 +8,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from procs import kvpool_cmd, serve
+from support.procs import kvpool_cmd, serve
 
 from kvpool.bench.launch import MEASURE_FLAGS
 
 pytestmark = pytest.mark.slow
-TRACE = Path(__file__).resolve().parents[1] / "data/conversation_trace_head.jsonl"
+TRACE = Path(__file__).resolve().parents[2] / "data/conversation_trace_head.jsonl"
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import signal
 import time
 
 import pytest
-from procs import Proc
+from support.procs import Proc
 
 from kvpool.common.errors import NotFoundError
 from kvpool.common.etcd import EtcdClient
@@ -18,7 +18,7 @@ from kvpool.transfer.metadata_server import MetadataServer
 
 
 def test_leader_killed_standby_takes_over(etcd):
-    from services import free_port
+    from support.ports import free_port
 
     etcd_client = EtcdClient(etcd.endpoint)
     etcd_client.delete(LEADER_KEY)
