@@ -32,7 +32,7 @@ values are); a 0-dimensional tensor comes back with shape ``()`` (Mooncake's: ``
 0-byte ``put_from`` is INVALID_PARAMS (Mooncake answers 0 and stores nothing);
 ``ReplicateConfig.with_soft_pin`` (an earlier Mooncake spelling) is accepted, and
 ``prefer_alloc_in_same_node`` works (Mooncake 0.3.13 refuses every put with it). The
-differential suite (``tests/integrations/test_mooncake_diff.py``) checks all of this call by
+differential suite (``tests/integration/mooncake/test_mooncake_diff.py``) checks all of this call by
 call against the real wheel; a lookup leases the object, as there.
 Not provided (``MooncakeUnsupportedError``, and ``hasattr`` is False): tensor-parallel and CUDA forms, ``pub_tensor*``, copy/move tasks,
 sessions, segment mounting, safetensors files, ``put_from_with_metadata``, the
