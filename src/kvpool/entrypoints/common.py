@@ -65,6 +65,27 @@ def read_json(path: str):
     return json.loads(text)
 
 
+def stop_event():
+    """An event set by SIGINT or SIGTERM; install it before saying "ready" (a signal right
+    after the ready line must stop the process cleanly, not kill it)."""
+    import threading
+
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    return done
+
+
+def announce_until_signal(ready: dict) -> None:
+    """Print the JSON ready line (what launchers and tests wait for), then block until SIGINT
+    or SIGTERM."""
+    import json
+
+    done = stop_event()
+    print(json.dumps(ready), flush=True)
+    done.wait()
+
+
 def sigterm_as_interrupt():
     """Make SIGTERM end like Ctrl-C; returns the previous handler (restore it after)."""
     return signal.signal(signal.SIGTERM, _interrupt)

@@ -5,25 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import sys
-import threading
 from collections.abc import Callable
 
 from kvpool.common import auth
 from kvpool.config import MasterConfig, NodeConfig, TransferConfig, from_wire
 from kvpool.entrypoints import common
-
-
-def _stop_event() -> threading.Event:
-    """Set by SIGINT/SIGTERM; install it before saying "ready" (a signal right after the ready
-    line must stop the process cleanly, not kill it)."""
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    signal.signal(signal.SIGINT, lambda *_: done.set())
-    return done
-
 
 _DEFAULTS: dict[str, dict] = {}  # role -> {dest: default}, to tell given flags from defaults
 
@@ -72,9 +60,7 @@ def _master(args: argparse.Namespace) -> int:
         return 1
     metrics = _master_metrics(args, lambda: service, lambda: server)
     ready = {"ready": True, "address": server.address, "metrics_port": _port(metrics)}
-    stop = _stop_event()
-    print(json.dumps(ready), flush=True)
-    stop.wait()
+    common.announce_until_signal(ready)
     if metrics is not None:
         metrics.close()
     server.close()
@@ -134,7 +120,7 @@ def _master_ha(args: argparse.Namespace, config: MasterConfig, token: str, admin
     election = LeaderElection(EtcdClient(args.etcd), address, elected, lost, ttl=args.leader_ttl)
     metrics = _master_metrics(args, lambda: live.get("service"), lambda: live.get("server"))
     ready = {"ready": True, "address": address, "role": "candidate", "metrics_port": _port(metrics)}
-    stop = _stop_event()
+    stop = common.stop_event()
     print(json.dumps(ready), flush=True)
     election.start()
     stop.wait()
@@ -190,9 +176,7 @@ def _node(args: argparse.Namespace) -> int:
         )
     ready = {"ready": True, "node_id": node_id, "segment": node.segment_name,
              "rpc": node.rpc.address, "metrics_port": _port(metrics)}  # fmt: skip
-    stop = _stop_event()
-    print(json.dumps(ready), flush=True)
-    stop.wait()
+    common.announce_until_signal(ready)
     if metrics is not None:
         metrics.close()
     node.close()

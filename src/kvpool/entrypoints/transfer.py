@@ -14,12 +14,12 @@ import hashlib
 import json
 import signal
 import sys
-import threading
 
 import numpy as np
 
 from kvpool.common.auth import add_token_args
 from kvpool.config import TransferConfig, parse_size
+from kvpool.entrypoints import common
 
 
 def pattern(seed: int, size: int) -> np.ndarray:
@@ -37,9 +37,7 @@ def _metadata(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"kvpool transfer metadata: {exc}", file=sys.stderr)
         return 1
-    done = _exit_event()
-    print(json.dumps({"ready": True, "url": server.url}), flush=True)
-    done.wait()
+    common.announce_until_signal({"ready": True, "url": server.url})
     server.close()
     return 0
 
@@ -98,13 +96,6 @@ def _serve_metrics(engine, port: int) -> None:
     registry = CollectorRegistry()
     registry.register(TransferStatsCollector(engine.stats.snapshot))
     start_http_server(port, addr="127.0.0.1", registry=registry)
-
-
-def _exit_event() -> threading.Event:
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    signal.signal(signal.SIGINT, lambda *_: done.set())
-    return done
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
