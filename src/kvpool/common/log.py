@@ -14,3 +14,7 @@ def setup_logging(level: str | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    # one line per HTTP request the conductor relays is noise at INFO (uvicorn logs the
+    # client's requests already); still there with --log-level debug
+    if logging.getLogger().level > logging.DEBUG:
+        logging.getLogger("httpx").setLevel(logging.WARNING)
