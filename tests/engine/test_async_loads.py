@@ -194,3 +194,38 @@ def test_loads_in_flight_are_bounded(tiny_engine_factory):
     assert [outs[f"r{i}"].outputs[0].token_ids for i in range(3)] == colds
     assert sorted(conn.started) == ["r0", "r1", "r2"] and conn.peak == 1
     assert settled_usage(eng) == 0
+
+
+def test_a_request_id_sent_again_during_its_aborted_load_gets_each_report_once():
+    """A request aborted while its load runs, then sent again under the same id: the old
+    load's end and the new one's are two reports, in order, never merged into one (the
+    scheduler frees the old blocks on the first and runs the new request on the second)."""
+    from kvpool.engine.connectors.base import BlockRef
+    from kvpool.engine.connectors.prefetch import PoolView, Prefetcher
+
+    gate, calls = threading.Event(), []
+
+    def load(blocks, block_ids, source):
+        calls.append(list(block_ids))
+        gate.wait(10)
+        return len(blocks)
+
+    ref = BlockRef(block_id=0, block_hash=b"h" * 16, token_ids=(1,))
+    p = Prefetcher(lambda hashes: [None] * len(hashes), load, PoolView())
+    try:
+        p.start_load("r", [ref], [3])
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.001)
+        p.request_finished("r")  # aborted while its load runs
+        p.start_load("r", [ref, ref], [5, 6])  # the same id again
+        assert p.backlog_blocks() == 2  # the new load is the one in flight for "r"
+        gate.set()
+        reports, deadline = [], time.monotonic() + 10
+        while len(reports) < 2 and time.monotonic() < deadline:
+            reports += list(p.finished().items())
+            time.sleep(0.005)
+        assert reports == [("r", 1), ("r", 2)] and calls == [[3], [5, 6]]
+        assert p.finished() == {} and p.backlog_blocks() == 0
+    finally:
+        p.close()

@@ -122,6 +122,10 @@ class Prefetcher:
         self._asked: dict[str, float] = {}  # request id -> when its lookup was queued
         self._jobs: dict[str, _Job] = {}  # queued or running loads
         self._finished: dict[str, int] = {}
+        # a report whose request id already has one waiting (a request aborted during its
+        # load and sent again under the same id): it goes out with the next call, so each
+        # load's end is reported exactly once and in order (the old load's first: its blocks)
+        self._later: list[tuple[str, int]] = []
         self._lookups: queue.SimpleQueue = queue.SimpleQueue()
         self._loads: queue.SimpleQueue = queue.SimpleQueue()
         self.lookups = self.loads = self.cancelled = 0
@@ -186,6 +190,14 @@ class Prefetcher:
     def finished(self) -> dict[str, int]:
         with self._lock:
             out, self._finished = self._finished, {}
+            later, self._later = self._later, []
+            for rid, n in later:
+                if rid in self._finished:
+                    self._later.append((rid, n))
+                else:
+                    self._finished[rid] = n
+            if self._finished:
+                self._event.set()
         return out
 
     def wait(self, timeout: float) -> None:
@@ -246,8 +258,12 @@ class Prefetcher:
                 self.view.mark(hashes[:n], True)
                 self.view.mark(hashes[n : n + 1], False)
             with self._lock:
-                self._jobs.pop(job.request_id, None)
-                self._finished[job.request_id] = n
+                if self._jobs.get(job.request_id) is job:  # not a newer load of the same id
+                    del self._jobs[job.request_id]
+                if job.request_id in self._finished:
+                    self._later.append((job.request_id, n))
+                else:
+                    self._finished[job.request_id] = n
             self._event.set()
 
     def _run_probe(self, hashes: list[bytes]) -> None:
