@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 from kvpool.common.errors import (
     BadRequestError,
-    ForbiddenError,
     KVPoolError,
     NoSpaceError,
     NotFoundError,
@@ -28,62 +27,23 @@ from kvpool.common.rpc import (
     rpc_methods,
 )
 from kvpool.config import MAX_REPLICAS, MasterConfig
+from kvpool.store.master.args import (
+    check_force,
+    int_arg,
+    items_arg,
+    keys_arg,
+    options_arg,
+    str_arg,
+    tier_arg,
+)
 from kvpool.store.master.commits import Commits
 from kvpool.store.master.movers import NodeMovers, RoomWaits
 from kvpool.store.master.nudge import Nudger
-from kvpool.store.master.objects import PutOptions, Replica, Tier
+from kvpool.store.master.objects import Replica, Tier
 from kvpool.store.master.tracked import TrackedState
 from kvpool.transfer.directory_service import DirectoryService
 
 logger = logging.getLogger(__name__)
-
-
-def _int(value: object, name: str) -> int:
-    """An integer argument from the wire (bad input is a 400, never an internal error)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequestError(f"{name} must be an integer, got {type(value).__name__}")
-    return value
-
-
-def _tier(value: object) -> Tier:
-    try:
-        return Tier(value)
-    except ValueError as exc:
-        raise BadRequestError(f"tier must be one of {[t.value for t in Tier]}") from exc
-
-
-def _str(value: object) -> str:
-    if value is not None and not isinstance(value, str):
-        raise BadRequestError("expected a string")
-    return value or ""
-
-
-def _options(value: object) -> PutOptions:
-    try:
-        return PutOptions.from_wire(value)
-    except ValueError as exc:
-        raise BadRequestError(str(exc), param="options") from None
-
-
-def _check_force(force: object) -> None:
-    if force and current_call().role != "admin":
-        raise ForbiddenError("a forced remove is an admin call: connect with the admin token "
-                             "(KVPOOL_ADMIN_TOKEN)")  # fmt: skip
-
-
-def _items(value: object, width: int, what: str) -> list[list]:
-    """A batch argument: a list of ``width``-element lists (anything else is a 400)."""
-    if not isinstance(value, list) or not all(
-        isinstance(i, list) and len(i) == width for i in value
-    ):
-        raise BadRequestError(f"items must be a list of [{what}]")
-    return value
-
-
-def _keys(value: object) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(k, str) for k in value):
-        raise BadRequestError("keys must be a list of strings")
-    return value
 
 
 class MasterService:
@@ -158,8 +118,8 @@ class MasterService:
         one that names it. ``incarnation``: which process of the node this is (a new one
         starts clean)."""
         with self.lock:
-            self.state.mount(node_id, segment, _tier(tier), _int(capacity, "capacity"),
-                             ready=bool(complete), incarnation=_str(incarnation))  # fmt: skip
+            self.state.mount(node_id, segment, tier_arg(tier), int_arg(capacity, "capacity"),
+                             ready=bool(complete), incarnation=str_arg(incarnation))  # fmt: skip
             if address:
                 self._node_addresses[node_id] = address
             if objects:
@@ -171,7 +131,7 @@ class MasterService:
         """A node leaves: its replicas go at once (objects with no other replica are gone, a
         clean miss); the number of keys that went with it."""
         with self.lock:
-            lost = self.state.unmount(node_id, _str(incarnation))
+            lost = self.state.unmount(node_id, str_arg(incarnation))
             self._node_addresses.pop(node_id, None)
         if lost:
             logger.info("master: node %s left with %d objects", node_id, len(lost))
@@ -185,8 +145,8 @@ class MasterService:
         from this ``epoch``); they are resent until acknowledged, and applying one twice is
         harmless."""
         with self.lock:
-            known = self.state.heartbeat(node_id, _str(incarnation))
-            deltas, seq = self.state.take_deltas(node_id, epoch, _int(ack, "ack")) if known \
+            known = self.state.heartbeat(node_id, str_arg(incarnation))
+            deltas, seq = self.state.take_deltas(node_id, epoch, int_arg(ack, "ack")) if known \
                 else ([], 0)  # fmt: skip
             self.commits.heard(node_id, known and not deltas)
             epoch = self.state.stream_epoch(node_id) if known else None
@@ -205,16 +165,16 @@ class MasterService:
     def _adopt(self, node_id: str, objects: list) -> int:
         """Adopt a node's objects this master does not know (called with the lock held)."""
         adopted = 0
-        for key, size, segment, offset, checksum in _items(objects, 5, "key, size, segment, "
+        for key, size, segment, offset, checksum in items_arg(objects, 5, "key, size, segment, "
                                                                         "offset, checksum"):  # fmt: skip
             mounted = self.state.segments.get(segment)
             tier = mounted.tier if mounted is not None else Tier.DRAM
-            replica = Replica(node_id, segment, _int(offset, "offset"), tier)
+            replica = Replica(node_id, segment, int_arg(offset, "offset"), tier)
             meta = self.state.objects.get(key)
             if meta is not None and any(r.segment == segment for r in meta.replicas):
                 continue
             try:
-                self.state.adopt(node_id, key, _int(size, "size"), replica, checksum)
+                self.state.adopt(node_id, key, int_arg(size, "size"), replica, checksum)
                 adopted += 1
             except (KVPoolError, ValueError, KeyError) as exc:
                 logger.warning("master: cannot adopt %s from %s: %s", key, node_id, exc)
@@ -235,9 +195,9 @@ class MasterService:
                   options: dict | None = None) -> dict:  # fmt: skip
         """Allocate the replicas of a new object: ``{key, size, replicas, put_id, ...}``;
         ``options``: ``PutOptions`` (upsert, preferred nodes, pins)."""
-        owner, opts = current_call().client_id, _options(options)
+        owner, opts = current_call().client_id, options_arg(options)
         [out] = self.room.run(self.lock, self.state, [key], lambda _: self.state.started(
-            self.state.put_start(key, _int(size, "size"), replicas, owner, opts)))  # fmt: skip
+            self.state.put_start(key, int_arg(size, "size"), replicas, owner, opts)))  # fmt: skip
         if isinstance(out, KVPoolError):
             raise self._unavailable(out) if isinstance(out, NoSpaceError) else out
         return out
@@ -267,7 +227,7 @@ class MasterService:
     def batch_get(self, keys: list[str]) -> list[dict | None]:
         out: list[dict | None] = []
         with self.lock:
-            for key in _keys(keys):
+            for key in keys_arg(keys):
                 try:
                     out.append(self.state.wire(self.state.get(key), self.config.lease_ttl))
                 except NotFoundError:
@@ -279,11 +239,11 @@ class MasterService:
                         options: dict | None = None) -> list[dict]:  # fmt: skip
         """``[[key, size], ...]`` -> per item the object with its put id, or
         ``{"error": {...}}``."""
-        owner, opts = current_call().client_id, _options(options)
-        pairs = _items(items, 2, "key, size")
+        owner, opts = current_call().client_id, options_arg(options)
+        pairs = items_arg(items, 2, "key, size")
         results = self.room.run(self.lock, self.state, [p[0] for p in pairs],
                                 lambda i: self.state.started(self.state.put_start(
-                                    pairs[i][0], _int(pairs[i][1], "size"), replicas, owner,
+                                    pairs[i][0], int_arg(pairs[i][1], "size"), replicas, owner,
                                     opts)))  # fmt: skip
         return [{"error": error_body(r)} if isinstance(r, KVPoolError) else r for r in results]
 
@@ -292,7 +252,7 @@ class MasterService:
         """``[[key, put_id, checksum], ...]``; False for a key with no such put in progress."""
         out = []
         with self.lock:
-            for key, put_id, checksum in _items(items, 3, "key, put_id, checksum"):
+            for key, put_id, checksum in items_arg(items, 3, "key, put_id, checksum"):
                 try:
                     self.state.put_end(key, put_id, checksum)
                     out.append(True)
@@ -307,7 +267,7 @@ class MasterService:
         """``[[key, put_id], ...]``; False for a key with no such put in progress."""
         out = []
         with self.lock:
-            for key, put_id in _items(items, 2, "key, put_id"):
+            for key, put_id in items_arg(items, 2, "key, put_id"):
                 try:
                     self.state.put_revoke(key, put_id)
                     out.append(True)
@@ -326,7 +286,7 @@ class MasterService:
     @rpc_method(bulk=True)
     def batch_exists(self, keys: list[str]) -> list[bool]:
         with self.lock:
-            return [self.state.exists(k) for k in _keys(keys)]
+            return [self.state.exists(k) for k in keys_arg(keys)]
 
     @rpc_method(bulk=True)
     def batch_tiers(self, keys: list[str]) -> list[str | None]:
@@ -334,13 +294,13 @@ class MasterService:
         read lease, as ``batch_exists``): what a connector weighs a load against recomputing
         with."""
         with self.lock:
-            return [self.state.tier(k) for k in _keys(keys)]
+            return [self.state.tier(k) for k in keys_arg(keys)]
 
     @rpc_method
     def remove(self, key: str, force: bool = False) -> bool:
         """Remove a COMPLETE object; refused while a reader holds its lease, unless ``force``,
         which is an admin call (readers of a forced-away object fail their checksum)."""
-        _check_force(force)
+        check_force(force)
         with self.lock:
             self.state.remove(key, bool(force))
         return True
@@ -349,7 +309,7 @@ class MasterService:
     def remove_matching(self, pattern: str | None = None, force: bool = False) -> int:
         """Remove every object whose key ``pattern`` matches (``re.search``; None: all), but
         the leased ones unless ``force`` (an admin call); how many went."""
-        _check_force(force)
+        check_force(force)
         if pattern is not None and (not isinstance(pattern, str) or len(pattern) > 1024):
             raise BadRequestError("pattern must be a regular expression of at most 1024 chars")
         with self.lock:
