@@ -108,8 +108,10 @@ def test_the_pool_view_keeps_the_slowest_tier():
     v.mark([b"a", b"b", b"c"], ["dram", "ssd", None])
     assert v.leading([b"a", b"b", b"c"]) == (2, True)
     assert v.tier([b"a"]) == "dram" and v.tier([b"a", b"b"]) == "ssd"
-    v.mark([b"b"], True)  # loaded since (a read promotes it): no longer known to be on SSD
-    assert v.tier([b"a", b"b"]) == "dram"
+    v.mark([b"b"], True)  # loaded since: still where it was known to be until a lookup
+    assert v.tier([b"a", b"b"]) == "ssd" and v.on_ssd([b"a", b"b", b"c"]) == [b"b"]
+    v.mark([b"b"], ["dram"])  # a fresh lookup: promoted
+    assert v.tier([b"a", b"b"]) == "dram" and v.on_ssd([b"b"]) == []
 
 
 class SlowReads:
@@ -154,3 +156,42 @@ def test_an_engine_whose_compute_is_cheap_stops_loading(tiny_engine_factory):
     assert outs[0].num_cached_tokens == 40
     assert [o.num_cached_tokens for o in outs[1:]] == [0, 0, 0]
     assert conn.policy.stats.measuring == 1 and conn.policy.loads.predict(1) is not None
+
+
+class OldMaster:
+    """The real pool behind a master from before ``batch_tiers`` (what it answers then)."""
+
+    def __init__(self, pool) -> None:
+        self._pool, self.asked = pool, []
+
+    def __getattr__(self, name):
+        return getattr(self._pool, name)
+
+    def batch_tiers(self, keys):
+        from kvpool.common.errors import BadRequestError
+
+        self.asked.append("batch_tiers")
+        raise BadRequestError("unknown method 'batch_tiers'")
+
+    def batch_exists(self, keys):
+        self.asked.append("batch_exists")
+        return self._pool.batch_exists(keys)
+
+
+def test_a_master_without_tiers_is_asked_whether_blocks_exist(tiny_engine_factory):
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = torch.randint(0, 256, (41,), generator=torch.Generator().manual_seed(3)).tolist()
+    with EmbeddedStore(memory="64MiB") as pool:
+        warm_conn = StoreConnector(pool, fetch_policy=False)
+        warm = tiny_engine_factory(connector=warm_conn)
+        cold = run(warm, prompt, sp, "w").outputs[0].token_ids
+        assert warm_conn.wait_saved(list(warm.pool.cached_hashes()), 10)
+        warm.close()
+        old = OldMaster(pool)
+        conn = StoreConnector(old, fetch_policy=False)
+        eng = tiny_engine_factory(connector=conn)
+        outs = [run(eng, prompt, sp, f"r{i}") for i in range(2)]
+        eng.close()
+    assert outs[0].outputs[0].token_ids == cold and outs[0].num_cached_tokens == 40
+    assert old.asked[0] == "batch_tiers" and "batch_tiers" not in old.asked[1:]  # asked once
+    assert "batch_exists" in old.asked and conn.pool_up()

@@ -159,3 +159,9 @@ def test_cluster_config_file_errors(tmp_path, capsys):
     assert "unknown setting 'prefil'" in capsys.readouterr().err
     assert cli.main(["serve", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert cli.main(["serve", "--prefill", "0", "--decode", "0"]) == 2
+
+
+def test_served_name_follows_the_model_path():
+    assert common.served_name_of(None) == common.DEFAULT_SERVED_NAME
+    assert common.served_name_of("/m/Qwen2-0.5B.Q8_0.gguf") == "Qwen2-0.5B.Q8_0"
+    assert common.served_name_of("/models/llama-folder") == "llama-folder"

@@ -143,6 +143,8 @@ def test_batch_tiers_says_where_a_read_would_come_from(tmp_path):
         for bad in ("t0", [1, 2], None):  # a clear 400, never an internal error
             with pytest.raises(BadRequestError):
                 store.master.call("batch_tiers", bad)
+        with pytest.raises(BadRequestError):
+            store.master.call("batch_put_start", [[7, 10]])
     finally:
         store.close()
 

@@ -83,6 +83,7 @@ class Conductor:
     def __init__(self, cluster: ClusterState, router: Router, tokenizer, model_name: str,
                  token: str | None = None, prefill_timeout: float = 300.0) -> None:  # fmt: skip
         self.cluster, self.router, self.tok = cluster, router, tokenizer
+        self._concatenative = bool(getattr(tokenizer, "concatenative", False))
         self.model_name, self.token = model_name, token
         self.prefill_timeout = prefill_timeout
         self.metrics = ConductorMetrics(cluster)
@@ -226,6 +227,8 @@ class Conductor:
         text; else ``[]`` and the decode worker streams everything."""
         p = parsed.params
         if not first or not isinstance(first[0], int) or int(p.get("max_tokens") or 0) < 2:
+            return []
+        if not self._concatenative:  # the decode worker's text would lose a leading space
             return []
         if p.get("temperature", 1.0) != 0 or p.get("stop") or p.get("stop_token_ids"):
             return []

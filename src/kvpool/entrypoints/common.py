@@ -139,12 +139,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def served_name(args: argparse.Namespace) -> str:
-    if args.served_model_name:
-        return args.served_model_name
-    if args.model is None:
+    return args.served_model_name or served_name_of(args.model)
+
+
+def served_name_of(model: str | None) -> str:
+    """The API's model name for a model path: the file's stem or the folder's name."""
+    if model is None:
         return DEFAULT_SERVED_NAME
-    path = Path(args.model)
-    return path.stem if path.suffix == ".gguf" else (path.name or args.model)
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else (path.name or model)
 
 
 def _interrupt(signum: int, _frame: object) -> None:

@@ -133,7 +133,7 @@ async def _main(cfg: WorkerConfig, token: str | None, parts: list) -> None:
     from kvpool.serving.worker_control import WorkerControl
 
     wid = cfg.worker_id or f"{cfg.role}-{os.getpid()}"
-    name = cfg.engine.served_model_name or common.DEFAULT_SERVED_NAME
+    name = cfg.engine.served_model_name or common.served_name_of(cfg.engine.model)
     connector = _connector(cfg, token, parts)
     engine = LLMEngine(cfg.engine, connector=connector)
     aeng = AsyncLLMEngine(engine).start()

@@ -98,6 +98,17 @@ class Tokenizer:
             ids.insert(0, bos)
         return ids
 
+    @property
+    def concatenative(self) -> bool:
+        """Whether decoding a sequence gives the concatenation of its tokens decoded alone
+        (byte-level BPE: a token's text does not depend on its neighbours, short of a
+        character split across tokens). SentencePiece-style decoders are not: they drop the
+        leading space of a sequence's first token."""
+        import json
+
+        decoder = json.loads(self.backend.to_str()).get("decoder") or {}
+        return decoder.get("type") == "ByteLevel"
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -54,7 +54,16 @@ class PoolView:
                 self._prune(now)
             for h, p in zip(hashes, flags, strict=True):
                 ttl = self.present_ttl if p else self.absent_ttl
-                self._entries[h] = (bool(p), now + ttl, p if isinstance(p, str) else "")
+                tier = p if isinstance(p, str) else ""
+                if p is True:  # present (loaded, saved): where it is stays what was known
+                    old = self._entries.get(h)
+                    tier = old[2] if old is not None and old[0] else ""
+                self._entries[h] = (bool(p), now + ttl, tier)
+
+    def on_ssd(self, hashes: list[bytes]) -> list[bytes]:
+        """The hashes believed to be on the SSD tier."""
+        with self._lock:
+            return [h for h in hashes if (e := self._entries.get(h)) is not None and e[2] == "ssd"]
 
     def tier(self, hashes: list[bytes]) -> str:
         """The slowest tier believed to hold any of ``hashes`` ("dram" unless one is on SSD)."""
@@ -175,10 +184,11 @@ class Prefetcher:
         self._asked.pop(request_id, None)
         self._loads.put(job)
 
-    def probe(self, hashes: list[bytes]) -> None:
-        """Read these blocks in the background, only to measure (see ``FetchPolicy``)."""
-        if self._probe is not None:
-            self._loads.put(list(hashes))
+    def probe(self, hashes: list[bytes], tier: str = "dram") -> None:
+        """Read these blocks (in ``tier``) in the background, only to measure (see
+        ``FetchPolicy``)."""
+        if self._probe is not None and hashes:
+            self._loads.put((list(hashes), tier))
 
     def request_finished(self, request_id: str) -> None:
         self._asked.pop(request_id, None)
@@ -237,8 +247,8 @@ class Prefetcher:
             job = self._loads.get()
             if job is None:
                 return
-            if isinstance(job, list):  # a probe
-                self._run_probe(job)
+            if isinstance(job, tuple):  # a probe
+                self._run_probe(*job)
                 continue
             n = 0
             if job.cancelled:
@@ -266,8 +276,7 @@ class Prefetcher:
                     self._finished[job.request_id] = n
             self._event.set()
 
-    def _run_probe(self, hashes: list[bytes]) -> None:
-        tier = self.view.tier(hashes)
+    def _run_probe(self, hashes: list[bytes], tier: str) -> None:
         t0 = time.perf_counter()
         try:
             n = self._probe(hashes)  # type: ignore[misc]

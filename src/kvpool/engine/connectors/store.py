@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvpool.common.errors import AlreadyExistsError, KVPoolError
+from kvpool.common.errors import AlreadyExistsError, BadRequestError, KVPoolError
 from kvpool.common.hashing import leading_true
 from kvpool.engine.connectors.base import BlockRef, KVConnector
 from kvpool.engine.connectors.direct import DirectReads
@@ -74,6 +74,7 @@ class StoreConnector(KVConnector):
         self.policy: FetchPolicy | None = None  # set at bind (it needs the block size)
         self._decided: dict[str, tuple[int, float | None]] = {}  # request -> (load?, predicted)
         self._tiers: dict[str, str] = {}  # request -> the pool tier its blocks are in
+        self._tiers_rpc = True  # the master answers batch_tiers (else: batch_exists)
         self._started: dict[str, tuple[float, float | None]] = {}  # request -> (when, predicted)
         self._use_direct = direct and async_load
         self.direct: DirectReads | None = None  # set at bind (it needs the KV tensor)
@@ -170,7 +171,8 @@ class StoreConnector(KVConnector):
             if rid not in self._decided:
                 self._decided[rid] = self.policy.decide(n, backlog, tier)
                 if not self._decided[rid][0] and self.policy.wants_probe(tier):
-                    self._prefetch.probe(hashes[: min(n, PROBE_BLOCKS)])
+                    held = hashes[:n] if tier == "dram" else self.view.on_ssd(hashes[:n])
+                    self._prefetch.probe(held[:PROBE_BLOCKS], tier)
             n = min(n, self._decided[rid][0])
             load_s = self.policy.model(tier).predict(n * self.policy.block_bytes)
             if n and not backlog and self._quick(load_s):
@@ -234,8 +236,13 @@ class StoreConnector(KVConnector):
         self.stats.lookups += 1
         keys = [block_key(h) for h in hashes]
         try:
-            if hasattr(self.client, "batch_tiers"):
-                return self.client.batch_tiers(keys)
+            if self._tiers_rpc and hasattr(self.client, "batch_tiers"):
+                try:
+                    return self.client.batch_tiers(keys)
+                except BadRequestError as exc:  # a master from before batch_tiers
+                    if "unknown method" not in str(exc):
+                        raise
+                    self._tiers_rpc = False
             return self.client.batch_exists(keys)
         except KVPoolError as exc:
             self._pool_failed("lookup", exc)

@@ -241,6 +241,7 @@ class MasterService:
         ``{"error": {...}}``."""
         owner, opts = current_call().client_id, options_arg(options)
         pairs = items_arg(items, 2, "key, size")
+        keys_arg([p[0] for p in pairs])
         results = self.room.run(self.lock, self.state, [p[0] for p in pairs],
                                 lambda i: self.state.started(self.state.put_start(
                                     pairs[i][0], int_arg(pairs[i][1], "size"), replicas, owner,
