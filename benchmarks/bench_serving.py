@@ -16,7 +16,7 @@ computed together and the share of looked-up prompt tokens they did not compute 
 the decode worker, so compare the computed tokens), and failures. Ratios are
 disaggregated over colocated.
 
-  python benchmarks/bench_serving.py [--quick] [--json PATH] [--png PATH]
+  python benchmarks/bench_serving.py [--quick] [--rounds R] [--json PATH] [--png PATH]
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ EXTRA = {
                                      "--decode-prefill-tokens", "0"],
     "disaggregated_decode_prefill_128": ["--prefill", "1", "--decode", "1",
                                          "--decode-prefill-tokens", "128"],
+    # not like-for-like (more torch threads than cores): their own rows
+    "disaggregated_decode_2_threads": ["--prefill", "1", "--decode", "1",
+                                       "--decode-threads", "2"],
+    "colocated_2_threads": ["--colocated", "2", "--threads", "2"],
 }  # fmt: skip
 WORDS = ["river", "stone", "lantern", "harbor", "meadow", "copper", "violet", "orchard",
          "signal", "thunder", "quiet", "marble", "falcon", "ember", "glacier", "willow",
@@ -153,7 +157,8 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def summarize(res: Results, name: str, results: list[dict], seconds: float, cluster: dict) -> dict:
+def summarize(results: list[dict], seconds: float, cluster: dict) -> tuple[dict, dict]:
+    """(figures of one run, its TTFT and TBT samples)."""
     ok = [r for r in results if r["status"] == 200 and r.get("ttft") is not None]
     ttft, tbt = [r["ttft"] for r in ok], [r["tbt"] for r in ok if r["tbt"] is not None]
     gaps = [g for r in ok for g in r["gaps"]]
@@ -183,9 +188,7 @@ def summarize(res: Results, name: str, results: list[dict], seconds: float, clus
     loaded = sum(c.get("pool_loaded_bytes", 0) for c in counters)
     if loaded:  # of the KV decode workers loaded, the share read straight from a prefill worker
         figs["kv_direct_share"] = sum(c.get("direct_read_bytes", 0) for c in counters) / loaded
-    for k, v in figs.items():
-        res.figure(f"{name}_{k}", v)
-    return {"ttft": ttft, "tbt": tbt}
+    return figs, {"ttft": ttft, "tbt": tbt}
 
 
 def plot(curves: dict, path: str) -> None:
@@ -219,6 +222,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--budget", type=float, default=900, help="seconds per configuration")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="runs of every configuration, alternating (order reversed every other "
+                         "round); figures are medians over rounds, ratios those of the medians (with the per-round range)")  # fmt: skip
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help=f"comma list of {', '.join({**CONFIGS, **EXTRA})}")  # fmt: skip
     ap.add_argument("--json", metavar="PATH")
@@ -236,33 +242,43 @@ def main() -> None:
     unknown = [n for n in names if n not in configs]
     if unknown:
         ap.error(f"unknown configs {unknown}")
-    for name in names:
-        flags = ["--kv-cache-memory", "512MiB", "--store-memory", "1GiB", *MEASURE_FLAGS,
-                 *configs[name]]  # fmt: skip
-        log(f"{name}: starting kvpool serve {' '.join(configs[name])}")
-        served = Served(flags, logdir / f"{name}.log")
-        try:
-            log(f"{name}: replaying {args.sessions} sessions x {args.turns} turns")
-            results, seconds = asyncio.run(replay(served.url, sessions, args))
-            cluster = httpx.get(f"{served.url}/cluster", timeout=10).json()
-        finally:
-            served.stop()
-        curves[name] = summarize(res, name, results, seconds, cluster)
-        f = res.figures
-        log(
-            f"{name}: TTFT p50 {f[name + '_ttft_p50_s']:.3f}s, TBT p50 "
-            f"{f[name + '_tbt_p50_s']:.3f}s, hit rate {f[name + '_prefix_hit_rate']:.2f}, "
-            f"{f[name + '_output_tok_per_s']:.1f} tok/s"
-        )
-    f = res.figures
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for rnd in range(args.rounds):
+        for name in names if rnd % 2 == 0 else names[::-1]:
+            flags = ["--kv-cache-memory", "512MiB", "--store-memory", "1GiB", *MEASURE_FLAGS,
+                     *configs[name]]  # fmt: skip
+            log(f"round {rnd + 1}/{args.rounds} {name}: kvpool serve {' '.join(configs[name])}")
+            served = Served(flags, logdir / f"{name}.log")
+            try:
+                log(f"{name}: replaying {args.sessions} sessions x {args.turns} turns")
+                results, seconds = asyncio.run(replay(served.url, sessions, args))
+                cluster = httpx.get(f"{served.url}/cluster", timeout=10).json()
+            finally:
+                served.stop()
+            figs, samples = summarize(results, seconds, cluster)
+            runs[name].append(figs)
+            curves.setdefault(name, {"ttft": [], "tbt": []})
+            for k in ("ttft", "tbt"):
+                curves[name][k] += samples[k]
+            log(f"{name}: TTFT p50 {figs['ttft_p50_s']:.3f}s, TBT p50 {figs['tbt_p50_s']:.3f}s, "
+                f"hit rate {figs['prefix_hit_rate']:.2f}, {figs['output_tok_per_s']:.1f} tok/s")  # fmt: skip
+    for name, figs in runs.items():
+        for k in figs[0]:
+            res.figure(f"{name}_{k}", statistics.median(r[k] for r in figs if k in r))
     if not {"colocated", "disaggregated"} <= set(names):
         res.dump(args.json)
         return
+    f = res.figures
     for key, better in (("ttft_p50_s", False), ("ttft_p99_s", False), ("tbt_p50_s", False),
                         ("tbt_p99_s", False), ("output_tok_per_s", True),
                         ("engine_prompt_tokens_computed", False)):  # fmt: skip
         res.ratio(f"disagg_vs_colocated_{key}", f[f"disaggregated_{key}"], f[f"colocated_{key}"],
                   higher_is_better=better)  # fmt: skip
+        if args.rounds > 1:  # the same ratio round by round (the runs of one round are adjacent)
+            per = [d[key] / c[key] for d, c in zip(runs["disaggregated"], runs["colocated"],
+                                                    strict=True) if c[key]]  # fmt: skip
+            res.figure(f"disagg_vs_colocated_{key}_round_min", min(per))
+            res.figure(f"disagg_vs_colocated_{key}_round_max", max(per))
     res.dump(args.json)
     if args.png:
         plot(curves, args.png)

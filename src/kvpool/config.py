@@ -313,6 +313,7 @@ class ClusterConfig:
     colocated: int = 0  # N workers doing both with local prefix caching only (no pool)
     store_memory: int | str = "1GiB"  # the node's DRAM
     prefill_chunk: int = 128  # prefill workers' tokens per step (0: max_num_batched_tokens)
+    decode_threads: int | None = None  # torch threads of each decode worker (None: its share)
     engine: EngineConfig = field(default_factory=EngineConfig)
     conductor: ConductorConfig = field(default_factory=ConductorConfig)
 
@@ -320,6 +321,8 @@ class ClusterConfig:
         self.store_memory = parse_size(self.store_memory)
         if min(self.colocated, self.prefill, self.decode, self.prefill_chunk) < 0:
             raise ValueError("worker counts and prefill_chunk must be >= 0")
+        if self.decode_threads is not None and self.decode_threads < 1:
+            raise ValueError("decode_threads must be >= 1")
         if not self.colocated and self.prefill + self.decode < 1:
             raise ValueError("start at least one worker")
 

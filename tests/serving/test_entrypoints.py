@@ -109,6 +109,10 @@ def test_cluster_config_file_fills_defaults_and_the_command_line_wins(tmp_path):
     pool, workers = plan(serve.cluster_config(colocated))
     assert pool == [] and [w.name for w in workers] == ["both-1", "both-2"]
     assert all(w.config.store is None for w in workers)
+    args = cli.build_parser().parse_args(["serve", "--decode-threads", "2", "--threads", "1"])
+    _, workers = plan(serve.cluster_config(args))
+    assert [(w.config.role, w.config.engine.num_threads) for w in workers] == [
+        ("prefill", 1), ("decode", 2)]  # fmt: skip
 
 
 def test_configs_cross_processes_as_plain_data():

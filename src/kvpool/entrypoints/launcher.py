@@ -110,7 +110,8 @@ def plan(cluster: ClusterConfig) -> tuple[list[Child], list[Child]]:
     for role in roles:
         counts[role] = counts.get(role, 0) + 1
         wid = f"{role}-{counts[role]}"
-        engine = dataclasses.replace(cluster.engine, num_threads=threads)
+        own = cluster.decode_threads if role == "decode" and cluster.decode_threads else threads
+        engine = dataclasses.replace(cluster.engine, num_threads=own)
         if role == "prefill" and cluster.prefill_chunk:
             engine = dataclasses.replace(engine, max_num_batched_tokens=cluster.prefill_chunk)
         cfg = WorkerConfig(role=role, worker_id=wid, engine=engine, http=http,

@@ -50,6 +50,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="N workers each doing prefill and decode, local prefix caching only "
                         "(the baseline; no pool)")  # fmt: skip
     c.add_argument("--store-memory", default="1GiB", help="DRAM of the pool's node")
+    c.add_argument("--decode-threads", type=int, default=None, metavar="N",
+                   help="torch threads of each decode worker (default: the same share of the "
+                        "cores as every worker; more than its share oversubscribes them)")  # fmt: skip
     c.add_argument("--prefill-chunk", type=int, default=128, metavar="TOKENS",
                    help="prefill workers' tokens per step (default %(default)s; 0: "
                         "--max-num-batched-tokens): a chunk's KV is published to the pool "
@@ -77,6 +80,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
 
     return ClusterConfig(prefill=args.prefill, decode=args.decode, colocated=args.colocated,
                          store_memory=args.store_memory, prefill_chunk=args.prefill_chunk,
+                         decode_threads=args.decode_threads,
                          engine=engine_config(args), conductor=conductor_config(args, []))  # fmt: skip
 
 
