@@ -229,3 +229,44 @@ def test_a_request_id_sent_again_during_its_aborted_load_gets_each_report_once()
         assert p.finished() == {} and p.backlog_blocks() == 0
     finally:
         p.close()
+
+
+class GatedReads:
+    """The real pool whose reads wait for ``gate`` (``reading`` is set once one waits)."""
+
+    def __init__(self, pool) -> None:
+        self._pool = pool
+        self.gate, self.reading = threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._pool, name)
+
+    def batch_get_into_parts(self, keys, buffers):
+        self.reading.set()
+        self.gate.wait(10)
+        return self._pool.batch_get_into_parts(keys, buffers)
+
+
+def test_an_id_aborted_twice_during_its_loads_frees_both_loads_blocks(tiny_engine_factory):
+    from kvpool.engine.connectors.store import StoreConnector
+    from kvpool.store.embedded import EmbeddedStore
+
+    prompt = prompt_of(12, 41)
+    with EmbeddedStore(memory="64MiB") as pool:
+        warm_conn = StoreConnector(pool, fetch_policy=False)
+        warm = tiny_engine_factory(connector=warm_conn)
+        generate_one(warm, prompt, SP)
+        assert warm_conn.wait_saved(list(warm.pool.cached_hashes()), 10)
+        warm.close()
+        gated = GatedReads(pool)
+        eng = tiny_engine_factory(connector=StoreConnector(gated, fetch_policy=False))
+        eng.add_request("r", prompt, SP)
+        step_until(eng, gated.reading.is_set)  # the first load is reading
+        eng.abort_request("r")
+        eng.add_request("r", prompt, SP)  # the same id again: its load queues behind
+        step_until(eng, lambda: "r" in eng.scheduler.loading)
+        eng.abort_request("r")
+        assert eng.pool.usage() > 0 and eng.has_work()  # both loads may still write
+        gated.gate.set()
+        step_until(eng, lambda: not eng.has_work())
+        assert settled_usage(eng) == 0

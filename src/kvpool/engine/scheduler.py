@@ -90,7 +90,9 @@ class Scheduler:
         self.loading: dict[str, _Load] = {}
         self._ready: set[str] = set()  # loaded, back in ``waiting`` with their blocks
         self._no_external: set[str] = set()  # their load timed out: compute everything
-        self._orphans: dict[str, list[KVBlock]] = {}  # abandoned loads' blocks, until reported
+        # abandoned loads' blocks, until reported; per request id in load order (an id sent
+        # again and abandoned again has two; the connector reports its loads in that order)
+        self._orphans: dict[str, list[list[KVBlock]]] = {}
         self.stats = SchedulerStats()
 
     def add(self, req: Request) -> None:
@@ -266,9 +268,11 @@ class Scheduler:
             return
         back: list[Request] = []
         for rid, n in self.connector.get_finished().items():
-            blocks = self._orphans.pop(rid, None)
-            if blocks is not None:
-                self.kv.release(blocks)  # the abandoned load has stopped writing into them
+            orphaned = self._orphans.get(rid)
+            if orphaned:
+                self.kv.release(orphaned.pop(0))  # that abandoned load stopped writing there
+                if not orphaned:
+                    del self._orphans[rid]
                 continue
             load = self.loading.pop(rid, None)
             if load is not None:
@@ -302,7 +306,7 @@ class Scheduler:
         self.loading.pop(rid, None)
         if started:
             self.connector.request_finished(rid)
-            self._orphans[rid] = self.kv.detach(req)
+            self._orphans.setdefault(rid, []).append(self.kv.detach(req))
         else:
             self.kv.free(req)
         self._no_external.add(rid)
