@@ -8,7 +8,9 @@
 Requests are validated as a whole before anything moves (bad ones raise ``BadRequestError``,
 unknown segments ``NotFoundError``); runtime failures (peer gone, refused, timed out) are
 reported per request. Each peer gets the transport that reaches it best (shared memory on the
-same host, TCP otherwise), a bound on in-flight bytes and a deadline per request.
+same host, TCP otherwise), a bound on in-flight bytes and a deadline per request. A small
+synchronous batch to one peer (``transfer``) is moved by the calling thread itself when the
+transport can (``Transport.exchange``): the per-call cost a store get or put pays.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ from kvpool.transfer.transports.base import TRANSPORTS, Transport, TransportCont
 from kvpool.transfer.transports.tcp_server import TransferServer
 
 logger = logging.getLogger(__name__)
+
+QUICK_REQUESTS = 64  # a synchronous batch this small (and <= QUICK_BYTES) may take the quick path
+QUICK_BYTES = 4 << 20
 
 
 class TransferEngine:
@@ -200,9 +205,10 @@ class TransferEngine:
     ) -> list[TransferStatus]:
         """Submit and wait; raise the first failure (a ``KVPoolError``). The calling thread
         receives its own replies where it can (fewer thread hand-offs than submit + wait)."""
-        handle = self._run(requests, timeout)
-        statuses = handle.wait()
-        handle.raise_for_status()
+        statuses = self.transfer_statuses(requests, timeout)
+        for status in statuses:
+            if status.error is not None:
+                raise status.error
         return statuses
 
     def transfer_statuses(
@@ -210,14 +216,57 @@ class TransferEngine:
     ) -> list[TransferStatus]:
         """``transfer`` without raising: every request's status (for batches where some may
         fail on their own)."""
-        return self._run(requests, timeout).wait()
-
-    def _run(self, requests: Iterable[TransferRequest], timeout: float | None) -> BatchHandle:
+        requests = requests if isinstance(requests, list) else list(requests)
+        quick = self._quick(requests, timeout)
+        if quick is not None:
+            return quick
         handle = self._submit(requests, True, timeout, sync=True)
         if not handle.done():
             for name in {op.transport for op in handle._ops}:
                 self._transports[name].drive(handle)
-        return handle
+        return handle.wait()
+
+    def _quick(
+        self, requests: list[TransferRequest], timeout: float | None
+    ) -> list[TransferStatus] | None:
+        """A small synchronous batch of one kind (all READs or all WRITEs) to one peer, moved
+        by this thread with the least bookkeeping: over an idle TCP connection it holds for
+        the whole exchange, or by a shared-memory copy. None, with nothing moved, when the
+        batch does not qualify or the transport cannot take it now (then the general path
+        runs). Such a batch is never counted in flight: its caller is blocked on it."""
+        if not 0 < len(requests) <= QUICK_REQUESTS or self._closed:
+            return None
+        views: dict[tuple[int, bool], memoryview] = {}
+        items = [self._check(r, views) for r in requests]
+        op, _, desc, _ = items[0]
+        total = 0
+        for kind, local, d, _ in items:
+            if kind is not op or d.owner_id != desc.owner_id:
+                return None
+            total += len(local)
+        if total > QUICK_BYTES:
+            return None
+        pick = self._picks.get((desc.name, self.config.transport))
+        if pick is None:
+            pick = self._picks[(desc.name, self.config.transport)] = self._pick(desc)
+        started = time.monotonic()
+        wait = timeout if timeout is not None else self.config.request_timeout
+        errors = self._transports[pick].exchange(op, items, started + wait)
+        if errors is None:
+            return None
+        elapsed = time.monotonic() - started
+        direction = "read" if op is Op.READ else "write"
+        statuses, done = [], []
+        for (_, local, d, _), err in zip(items, errors, strict=True):
+            if err is None:
+                statuses.append(TransferStatus(State.DONE, len(local), None))
+                done.append((pick, direction, len(local), elapsed, False))
+            else:
+                statuses.append(TransferStatus(State.FAILED, 0, err))
+                self._count_failure(err, d.name)
+        if done:
+            self.stats.finished(done)
+        return statuses
 
     def read(self, local, remote: str, remote_offset: int = 0, **kw) -> int:
         """READ ``remote`` into ``local``; the number of bytes moved (raises on failure)."""
@@ -242,6 +291,14 @@ class TransferEngine:
     def _prepare(
         self, req: TransferRequest, views: dict[tuple[int, bool], memoryview], handle: BatchHandle
     ) -> PendingOp:
+        op, local, desc, offset = self._check(req, views)
+        return PendingOp(op, local, desc, offset, handle)
+
+    def _check(
+        self, req: TransferRequest, views: dict[tuple[int, bool], memoryview]
+    ) -> tuple[Op, memoryview, SegmentDescriptor, int]:
+        """``(op, local range, remote descriptor, remote offset)`` of a request, validated
+        (``views``: one view per local buffer of a batch)."""
         op = req.op if type(req.op) is Op else _parse_op(req.op)
         key = (id(req.local), op is Op.READ)
         view = views.get(key)
@@ -260,7 +317,7 @@ class TransferEngine:
                 f"remote range [{req.remote_offset}, {req.remote_offset + length}) outside "
                 f"segment {desc.name!r} of {desc.size} bytes"
             )
-        return PendingOp(op, view[start : start + length], desc, req.remote_offset, handle)
+        return op, view[start : start + length], desc, req.remote_offset
 
     def _pick(self, desc: SegmentDescriptor) -> str:
         choice = self.config.transport
@@ -302,13 +359,15 @@ class TransferEngine:
     def _failed(self, op: PendingOp, counted: bool) -> None:
         if counted:
             self.stats.add_inflight(-op.length)
-        err = op.error
+        self._count_failure(op.error, op.desc.name)
+
+    def _count_failure(self, err: Exception | None, name: str) -> None:
         kind = type(err).__name__ if err is not None else "unknown"
         self.stats.error(
             "timeout" if isinstance(err, KVPoolTimeoutError) else _ERROR_KINDS.get(kind, "transfer")
         )
         if isinstance(err, TransferError | NotFoundError):
-            self._forget(op.desc.name)  # re-resolve: the peer may have moved
+            self._forget(name)  # re-resolve: the peer may have moved
 
     def _forget(self, name: str) -> None:
         self._descs.pop(name, None)

@@ -106,12 +106,20 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
-def sendmsg_all(sock: socket.socket, buffers: list) -> None:
-    """Send a list of buffers with scatter/gather I/O (no joining copy), handling short writes."""
+def sendmsg_all(sock: socket.socket, buffers: list, deadline: float | None = None) -> None:
+    """Send a list of buffers with scatter/gather I/O (no joining copy), handling short writes
+    (``deadline``: ``time.monotonic()`` after which a short write is a ``TimeoutError``; a
+    socket with a kernel send timeout is simply tried again until then)."""
     bufs = [b if isinstance(b, bytes) else _flat(b) for b in buffers]
-    i = 0
+    i, tries = 0, 0
     while i < len(bufs):
-        sent = sock.sendmsg(bufs[i : i + 512])
+        if tries and deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError("send past its deadline")
+        tries += 1
+        try:
+            sent = sock.sendmsg(bufs[i : i + 512])
+        except BlockingIOError:  # the socket's kernel timeout (a stall check) expired
+            continue
         while sent:
             head = len(bufs[i])
             if sent >= head:
@@ -129,13 +137,21 @@ def _flat(buf) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def recvmsg_exact(sock: socket.socket, views: list[memoryview]) -> None:
+def recvmsg_exact(sock: socket.socket, views: list[memoryview],
+                  deadline: float | None = None) -> None:  # fmt: skip
     """Fill every view, in order, with scatter reads (``MSG_WAITALL``): typically one syscall
-    for a whole train of replies; EOF raises ``ConnectionError``."""
+    for a whole train of replies; EOF raises ``ConnectionError``, a short read after
+    ``deadline`` (``time.monotonic()``) ``TimeoutError``."""
     views = [v for v in views if len(v)]
-    i = 0
+    i, tries = 0, 0
     while i < len(views):
-        n = sock.recvmsg_into(views[i : i + 1024], 0, socket.MSG_WAITALL)[0]
+        if tries and deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError("receive past its deadline")
+        tries += 1
+        try:
+            n = sock.recvmsg_into(views[i : i + 1024], 0, socket.MSG_WAITALL)[0]
+        except BlockingIOError:  # the socket's kernel timeout (a stall check) expired
+            continue
         if n == 0:
             raise ConnectionError("peer closed the connection")
         while n and i < len(views):

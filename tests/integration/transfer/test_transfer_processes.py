@@ -275,3 +275,59 @@ def test_one_synchronous_batch_to_several_peers(peer_factory, engine_factory, me
         assert peer.digest(100, 4096) == digest(data)
     for i, b in enumerate(bufs):
         assert np.array_equal(b, data[7 * i : 7 * i + 1000])
+
+
+def _spy_quick(te) -> list:
+    """Record what the TCP transport's quick exchange answered (None: not taken)."""
+    tcp = te._transports["tcp"]
+    seen: list = []
+    real = tcp.exchange
+
+    def spy(op, items, deadline):
+        out = real(op, items, deadline)
+        seen.append(out)
+        return out
+
+    tcp.exchange = spy
+    return seen
+
+
+def test_quick_exchange_moves_small_batches_and_times_out_on_a_stall(
+    peer_factory, engine_factory, metadata
+):
+    """A small synchronous batch over an idle connection is moved by the caller's thread (the
+    quick exchange): writes land, reads come back, a stalled peer is a timeout within the
+    deadline (never a hang), and the next call dials again and succeeds."""
+    peer = peer_factory("peer-q/kv", 8 * MiB, "--no-shm")
+    peer.fill(9)
+    source = pattern(9, 8 * MiB)
+    te = engine_factory(directory=metadata.url, transport="tcp")
+    te.read(np.zeros(16, np.uint8), "peer-q/kv")  # dials (the general path)
+    seen = _spy_quick(te)
+    data = np.random.default_rng(5).integers(0, 256, 8 * 65536, dtype=np.uint8)
+    writes = [TransferRequest(Op.WRITE, data[i * 65536 : (i + 1) * 65536], "peer-q/kv",
+                              MiB + 3 * i * 65536) for i in range(8)]  # fmt: skip
+    assert [s.bytes_moved for s in te.transfer(writes, timeout=5)] == [65536] * 8
+    for i in range(8):
+        assert peer.digest(MiB + 3 * i * 65536, 65536) == digest(data[i * 65536 : (i + 1) * 65536])
+    bufs = [np.zeros(1000 + i, np.uint8) for i in range(5)]
+    reads = [TransferRequest(Op.READ, b, "peer-q/kv", 7 * i) for i, b in enumerate(bufs)]
+    assert all(s.ok for s in te.transfer_statuses(reads, timeout=5))
+    for i, b in enumerate(bufs):
+        assert np.array_equal(b, source[7 * i : 7 * i + len(b)])
+    assert len(seen) == 2 and all(out == [None] * n for out, n in zip(seen, (8, 5), strict=True))
+    assert te.stats.snapshot().requests[("tcp", "write")] == 8
+
+    peer.pause()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(KVPoolTimeoutError):
+            te.read(np.zeros(4096, np.uint8), "peer-q/kv", timeout=0.5)
+        assert time.monotonic() - t0 < 2  # the deadline plus a stall check, not a hang
+        assert seen[-1] is not None  # the quick exchange itself timed out
+        assert te.stats.snapshot().errors["timeout"] == 1
+    finally:
+        peer.resume()
+    buf = np.zeros(4096, np.uint8)
+    te.read(buf, "peer-q/kv", 100, timeout=10)
+    assert np.array_equal(buf, source[100 : 100 + 4096])

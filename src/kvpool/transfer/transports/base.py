@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpool.config import TransferConfig
+from kvpool.transfer.protocol import Op
 from kvpool.transfer.request import BatchHandle, PendingOp
 from kvpool.transfer.segment import Segment, SegmentDescriptor
 from kvpool.transfer.stats import TransferStats
@@ -48,6 +49,14 @@ class Transport(ABC):
     def is_inline(self, nbytes: int) -> bool:
         """Whether a batch of ``nbytes`` completes inside ``submit`` (no in-flight tracking)."""
         return False
+
+    def exchange(self, op: Op, items: list[tuple], deadline: float) -> list | None:
+        """Move a small synchronous batch of one kind in the calling thread, now, before
+        ``deadline`` (``time.monotonic()``): ``items`` are ``(op, local view, descriptor,
+        remote offset)``, all to one peer. Per item None (moved) or the ``KVPoolError`` that
+        stopped it; or None, with nothing moved, when the transport cannot do it that way
+        now (the engine then submits the batch the general way)."""
+        return None
 
     def drive(self, handle: BatchHandle) -> None:  # noqa: B027 - optional
         """Let a thread about to wait for ``handle`` do the transport's receiving itself."""

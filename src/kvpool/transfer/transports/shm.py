@@ -82,25 +82,44 @@ class ShmTransport(Transport):
                 return
             self._finish([op for op in ops if self._copy(op)])
 
+    def exchange(self, op: Op, items: list[tuple], deadline: float) -> list | None:
+        """Copy a small synchronous batch right here (see ``Transport.exchange``)."""
+        desc = items[0][2]
+        try:
+            remote = self._remote_array(desc)
+            for _, local, _, offset in items:
+                self._move(op, local, remote, offset)
+        except Exception as exc:  # a vanished file, a closed mapping
+            logger.warning("shm transfer to %s failed: %s", desc.name, exc)
+            err = TransferError(f"shared-memory copy to {desc.name} failed: {exc}")
+            return [err] * len(items)
+        if desc.owner_id != self.ctx.owner_id and not pid_alive(desc.pid):
+            self.forget(desc)
+            died = TransferError(f"owner of segment {desc.name} died during the copy")
+            return [died] * len(items)
+        return [None] * len(items)
+
     def _copy(self, op: PendingOp) -> bool:
         """Copy one op's bytes; False (and the op failed) if it could not."""
         if op.timed_out:
             op.fail(KVPoolTimeoutError(f"shm transfer to {op.desc.name} timed out in the queue"))
             return False
         try:
-            remote = self._remote_array(op.desc)
-            a = op.remote_offset
-            window = remote[a : a + op.length]
-            local = np.frombuffer(op.local, dtype=np.uint8)
-            if op.op is Op.READ:
-                np.copyto(local, window)
-            else:
-                np.copyto(window, local)
+            self._move(op.op, op.local, self._remote_array(op.desc), op.remote_offset)
         except Exception as exc:  # a vanished file, a closed mapping: the op fails, we go on
             logger.warning("shm transfer to %s failed: %s", op.desc.name, exc)
             op.fail(TransferError(f"shared-memory copy to {op.desc.name} failed: {exc}"))
             return False
         return True
+
+    @staticmethod
+    def _move(op: Op, local: memoryview, remote: np.ndarray, offset: int) -> None:
+        window = remote[offset : offset + len(local)]
+        mine = np.frombuffer(local, dtype=np.uint8)
+        if op is Op.READ:
+            np.copyto(mine, window)
+        else:
+            np.copyto(window, mine)
 
     def _finish(self, copied: list[PendingOp]) -> None:
         """Report copied ops done, unless their segment's owner died meanwhile."""

@@ -20,7 +20,7 @@ from kvpool.transfer import protocol as P
 from kvpool.transfer.request import BatchHandle, PendingOp, State
 from kvpool.transfer.segment import SegmentDescriptor
 from kvpool.transfer.transports.base import Transport, TransportContext, register_transport
-from kvpool.transfer.transports.tcp_conn import Connection, Frame
+from kvpool.transfer.transports.tcp_conn import Connection, Frame, stall_checks
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,19 @@ class TcpTransport(Transport):
                     err = TransferError(f"connection to {conn.peer} lost: {conn.reason}")
                     for frame in part:
                         frame.op.frame_done(0, err)
+
+    def exchange(self, op: P.Op, items: list[tuple], deadline: float) -> list | None:
+        """Over an idle connection to the peer, held by this thread for one train out and its
+        replies in (see ``Transport.exchange``); None when every connection is busy, none is
+        open yet, or a request would have to be sliced."""
+        step = self.ctx.config.slice_bytes
+        if any(len(local) > step for _, local, _, _ in items):
+            return None
+        desc = items[0][2]
+        for conn in self._pools.get((desc.host, desc.port), ()):
+            if conn.claim():
+                return conn.exchange(op, items, deadline)
+        return None
 
     def drive(self, handle: BatchHandle) -> None:
         """Receive this batch's replies in the calling thread, connection by connection (a
@@ -152,6 +165,7 @@ class TcpTransport(Transport):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._handshake(sock, f"{peer[0]}:{peer[1]}", time.monotonic() + max(timeout, 1.0))
             sock.settimeout(None)
+            stall_checks(sock)
         except BaseException:
             sock.close()
             raise

@@ -8,6 +8,11 @@ a whole train. One thread at a time holds the *reader role*: the connection's re
 while asynchronous trains are pending, or a thread that waits for its own synchronous batch
 (``drive``), which then reads its replies itself and skips two thread hand-offs per request.
 
+The quick exchange: a synchronous caller with a small batch that finds the connection idle
+takes both roles at once (``claim``), sends its train and receives the replies itself
+(``exchange``): no queue, no frame objects, no deadline heap; the socket's kernel timeouts
+(``STALL_CHECK_S``) let it notice its deadline.
+
 A broken connection resolves every frame it carried as failed, only once no thread can still
 be writing into (or sending from) the buffers of those frames.
 """
@@ -18,11 +23,13 @@ import contextlib
 import itertools
 import logging
 import socket
+import struct
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
-from kvpool.common.errors import BadRequestError, NotFoundError, TransferError
+from kvpool.common.errors import BadRequestError, KVPoolTimeoutError, NotFoundError, TransferError
 from kvpool.transfer import protocol as P
 from kvpool.transfer.request import BatchHandle, PendingOp, finish_ops
 
@@ -30,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 TRAIN_FRAMES = 512
 TRAIN_BYTES = 32 << 20
+STALL_CHECK_S = 0.25  # a blocked send or receive returns this often to look at its deadline
 
 
 class Frame:
@@ -179,6 +187,72 @@ class Connection:
             bufs.append(hview[run:])
         P.sendmsg_all(self.sock, bufs)
 
+    # -- one exchange by the calling thread ---------------------------------------------------
+
+    def claim(self) -> bool:
+        """Take the connection for one ``exchange`` if nobody uses it: the send lock and the
+        reader role, with nothing queued or unanswered on it."""
+        if not self._send_lock.acquire(blocking=False):
+            return False
+        with self._lock:
+            if not (self.dead or self._reading or self._queue or self._trains):
+                self._reading = True
+                return True
+        self._send_lock.release()
+        return False
+
+    def exchange(self, op: P.Op, items: list[tuple], deadline: float) -> list:
+        """Send one train of ``items`` (``(op, local view, descriptor, remote offset)``, all
+        READs or all WRITEs) and receive its replies, in this thread, which holds the
+        connection (``claim``) and gives it back; per item None or its error. The socket's
+        kernel timeouts (``STALL_CHECK_S``) let every wait look at ``deadline``; a failure
+        breaks the connection."""
+        n = len(items)
+        size, rsize = P.REQUEST.size, P.RESPONSE.size
+        heads = bytearray(size * n)
+        replies = memoryview(bytearray(rsize * n))
+        first = next(self._ids)
+        for _ in range(n - 1):
+            next(self._ids)
+        read = op is P.Op.READ
+        out: list = [heads] if read else []
+        into: list = [] if read else [replies]
+        hview = memoryview(heads)
+        for i, (_, local, desc, offset) in enumerate(items):
+            flags = P.FLAG_END if i == n - 1 else 0
+            P.REQUEST.pack_into(heads, i * size, op, flags, 0, desc.segment_id, first + i,
+                                offset, len(local))  # fmt: skip
+            if read:
+                into += (replies[i * rsize : (i + 1) * rsize], local)
+            else:
+                out += (hview[i * size : (i + 1) * size], local)
+        try:
+            P.sendmsg_all(self.sock, out, deadline)
+            P.recvmsg_exact(self.sock, into, deadline)
+            return [self._reply_error(replies, i, first + i, op, items[i]) for i in range(n)]
+        except (OSError, ConnectionError, P.FrameError) as exc:
+            if isinstance(exc, P.FrameError):
+                logger.warning("transfer: bad reply from %s: %r", self.peer, exc)
+            self.abort(str(exc) or type(exc).__name__)
+            if time.monotonic() >= deadline:
+                err: Exception = KVPoolTimeoutError(f"transfer to {self.peer} timed out")
+            else:
+                err = TransferError(f"connection to {self.peer} lost: {self.reason}")
+            return [err] * n
+        finally:
+            self._release_role()
+            self._send_lock.release()
+
+    @staticmethod
+    def _reply_error(replies: memoryview, i: int, req_id: int, op: P.Op, item: tuple):
+        status, rop, _, _, rid, length = P.RESPONSE.unpack_from(replies, i * P.RESPONSE.size)
+        want = len(item[1]) if op is P.Op.READ else 0
+        if rid != req_id or rop != op or length != want:
+            raise P.FrameError(f"unexpected reply (request {rid}, length {length})")
+        if status == P.Status.OK:
+            return None
+        return _status_error(status, op, item[2].name)
+
     # -- receiving ----------------------------------------------------------------------------
 
     def drive(self, handle: BatchHandle, finished: Callable[[], bool] | None = None) -> None:
@@ -269,7 +343,8 @@ class Connection:
             want = frame.length if op == P.Op.READ else 0
             if frame.req_id != req_id or op != frame.op.op or length != want:
                 raise P.FrameError(f"unexpected reply (request {req_id}, length {length})")
-            results.append(None if status == P.Status.OK else _status_error(status, frame))
+            results.append(None if status == P.Status.OK else
+                           _status_error(status, frame.op.op, frame.op.desc.name))  # fmt: skip
         finished = [
             frame.op
             for frame, error in zip(train, results, strict=True)
@@ -295,11 +370,20 @@ class Connection:
             finish_ops(finished)
 
 
-def _status_error(status: int, frame: Frame) -> Exception:
+def _status_error(status: int, op: P.Op, segment: str) -> Exception:
     text = P.STATUS_TEXT.get(status, f"status {status}")  # type: ignore[call-overload]
-    msg = f"peer refused {frame.op.op.name} of {frame.op.desc.name}: {text}"
+    msg = f"peer refused {op.name} of {segment}: {text}"
     if status == P.Status.OUT_OF_BOUNDS:
         return BadRequestError(msg)
     if status == P.Status.UNKNOWN_SEGMENT:
         return NotFoundError(msg)
     return TransferError(msg)
+
+
+def stall_checks(sock: socket.socket, seconds: float = STALL_CHECK_S) -> None:
+    """Make each blocking send and receive on ``sock`` return after ``seconds`` without
+    progress (``sendmsg_all`` / ``recvmsg_exact`` then look at their deadline and go on)."""
+    sec = int(seconds)
+    tv = struct.pack("@ll", sec, int((seconds - sec) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
