@@ -93,6 +93,7 @@ class EngineConfig:
 
 TRANSPORT_CHOICES = ("auto", "shm", "tcp")
 MAX_FRAME_BYTES = 64 << 20  # a transfer frame never carries more; larger requests are sliced
+DEFAULT_SPIN_US = 500  # TransferConfig.spin_us: the store get/put latency knob (0: never spin)
 
 
 @dataclass(slots=True)
@@ -115,6 +116,9 @@ class TransferConfig:
     request_timeout: float = 30.0  # seconds per request, from submit
     connect_timeout: float = 5.0
     segment_ttl: float = 10.0  # etcd lease of published descriptors (renewed while alive)
+    # a synchronous caller (a store get or put) polls for its reply this long before it
+    # sleeps on the socket (common.net.spin_until_readable); 0 in processes that compute
+    spin_us: int = DEFAULT_SPIN_US
 
     def __post_init__(self) -> None:
         from kvpool.common.auth import cluster_token
@@ -136,6 +140,8 @@ class TransferConfig:
             raise ValueError("num_streams must be in [1, 64]")
         if self.request_timeout <= 0 or self.connect_timeout <= 0 or self.segment_ttl < 2:
             raise ValueError("timeouts must be > 0 and segment_ttl >= 2 s")
+        if not 0 <= self.spin_us <= 100_000:
+            raise ValueError("spin_us must be in [0, 100000]")
         if self.auth_token is None:
             self.auth_token = cluster_token()
         if not is_loopback(self.host) and not self.auth_token:

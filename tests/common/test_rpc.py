@@ -522,3 +522,36 @@ def test_server_in_another_process():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+def test_meanwhile_runs_once_while_the_server_works():
+    """``meanwhile`` runs after the request left and before its reply is read (the handler is
+    seen running from inside it, and it lets the handler finish); work that raises propagates
+    and the next call still gets its own reply; spinning changes nothing visible."""
+    started, release = threading.Event(), threading.Event()
+
+    def held(tag):
+        started.set()
+        assert release.wait(5), "the caller's meanwhile never ran"
+        return tag
+
+    for spin in (0.0, 0.002):
+        with RpcServer({"held": held, "add": lambda a, b: a + b}) as srv, \
+                RpcClient(srv.address, timeout=5.0, spin=spin) as c:  # fmt: skip
+            started.clear()
+            release.clear()
+            seen: list[bool] = []
+
+            def overlap(seen: list = seen) -> None:
+                seen.append(started.wait(5))  # the server is inside the handler now
+                release.set()
+
+            assert c.call("held", "done", meanwhile=overlap) == "done"
+            assert seen == [True]
+
+            def boom() -> None:
+                raise RuntimeError("caller's own failure")
+
+            with pytest.raises(RuntimeError, match="caller's own"):
+                c.call("add", 1, 2, meanwhile=boom)
+            assert c.call("add", 3, 4) == 7  # the abandoned reply never answers a later call

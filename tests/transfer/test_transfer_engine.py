@@ -166,8 +166,10 @@ def test_non_loopback_bind_requires_a_token(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "kw", [{"transport": "rdma"}, {"slice_bytes": 10}, {"num_streams": 0}, {"request_timeout": 0}]
-)
+    "kw",
+    [{"transport": "rdma"}, {"slice_bytes": 10}, {"num_streams": 0}, {"request_timeout": 0},
+     {"spin_us": -1}, {"spin_us": 10**6}],
+)  # fmt: skip
 def test_config_validation(kw):
     with pytest.raises(ValueError):
         TransferConfig(**kw)

@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from kvpool.common import auth
@@ -27,6 +28,7 @@ from kvpool.common.errors import (
     KVPoolTimeoutError,
     ProtocolError,
 )
+from kvpool.common.net import spin_until_readable
 from kvpool.common.rpc_server import MAX_REPLY
 from kvpool.common.rpc_wire import (
     HEADER,
@@ -70,7 +72,8 @@ class RpcClient:
     """Blocking and asyncio calls to one RpcServer; thread-safe (one connection behind a lock).
 
     ``token``: the cluster token (None: from the environment, ``""``: none); ``admin_token``:
-    connect as an admin instead (admin calls, e.g. a forced remove from the pool).
+    connect as an admin instead (admin calls, e.g. a forced remove from the pool); ``spin``:
+    seconds each call polls for its reply before sleeping (``net.spin_until_readable``).
     """
 
     def __init__(
@@ -81,8 +84,10 @@ class RpcClient:
         max_message_size: int = MAX_REPLY,
         *,
         admin_token: str | None = None,
+        spin: float = 0.0,
     ) -> None:
         self._host, self._port = split_address(address)
+        self._spin = spin  # seconds a call polls for its reply before it sleeps on the socket
         self.address = address
         admin = auth.admin_token(admin_token) if admin_token is not None else None
         secret = admin if admin else auth.cluster_token(token)
@@ -98,8 +103,11 @@ class RpcClient:
         self._sock_timeout = 0.0  # what the socket's timeout is set to (each recv's bound)
         self._closed = False
 
-    def call(self, method: str, /, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
-        """Call ``method`` remotely; raise its typed error, or KVPoolTimeoutError."""
+    def call(self, method: str, /, *args: Any, timeout: float | None = None,
+             meanwhile: Callable[[], object] | None = None, **kwargs: Any) -> Any:  # fmt: skip
+        """Call ``method`` remotely; raise its typed error, or KVPoolTimeoutError.
+        ``meanwhile``: work of the caller's run once the request is sent, before the reply
+        is read (it overlaps the server's turn; e.g. a put's checksum during ``put_start``)."""
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         rid = next(self._ids)
@@ -112,7 +120,7 @@ class RpcClient:
         try:
             if self._closed:
                 raise KVPoolError("RpcClient is closed")
-            reply = self._roundtrip(method, rid, payload, deadline)
+            reply = self._roundtrip(method, rid, payload, deadline, meanwhile)
         finally:
             self._lock.release()
         if reply is None:
@@ -121,13 +129,20 @@ class RpcClient:
             return reply[2]
         raise error_from_body(reply[2], f"{method} at {self.address}")
 
-    def _roundtrip(self, method: str, rid: int, payload: bytes, deadline: float) -> list | None:
+    def _roundtrip(self, method: str, rid: int, payload: bytes, deadline: float,
+                   meanwhile: Callable[[], object] | None = None) -> list | None:  # fmt: skip
         """Send and wait for the reply to ``rid`` (None on timeout; the connection is then
         replaced, so a late reply never answers a later call)."""
         try:
             sock = self._connect(deadline)
             self._set_timeout(sock, deadline)
             sock.sendall(frame(payload))
+            if meanwhile is not None:
+                try:
+                    meanwhile()
+                except BaseException:
+                    self._reset()  # its reply is never read: this connection cannot be reused
+                    raise
             for _ in range(_MAX_STALE):
                 reply = _reply_for(self._read_frame(sock, deadline, self._max_size), rid)
                 if reply is not None:
@@ -208,6 +223,7 @@ class RpcClient:
                     return payload
             if deadline - time.monotonic() <= 0:
                 raise TimeoutError
+            spin_until_readable(sock, self._spin)
             data = sock.recv(max(_RECV, need - len(buf)))
             if not data:
                 raise _Broken("server closed the connection")

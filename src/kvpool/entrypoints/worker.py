@@ -113,9 +113,10 @@ def _connector(cfg: WorkerConfig, token: str | None, parts: list):
 
     directory = cfg.directory or (f"etcd://{cfg.etcd}" if cfg.etcd else None)  # else the master's
     wait = cfg.pool_timeout
+    # spin_us=0: a polling wait for a pool reply would take a core from the model's compute
     transfer = TransferConfig(host=cfg.host, transport=cfg.transport, directory=directory,
                               auth_token=token or "", connect_timeout=min(wait, 5.0),
-                              request_timeout=wait)  # fmt: skip
+                              request_timeout=wait, spin_us=0)  # fmt: skip
     # a load slower than recomputing is useless: fail fast, recompute, retry the pool later
     client = StoreClient(cfg.store, transfer, token=token or "", timeout=wait,
                          failover_timeout=wait)  # fmt: skip

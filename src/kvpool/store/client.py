@@ -74,7 +74,8 @@ class StoreClient:
             TransferEngine(transfer_config(transfer, token, master))  # fmt: skip
         # with etcd://, calls ride through a master fail-over for up to ``failover_timeout``
         self.master = MasterLink(master, token=token or "", timeout=timeout,
-                                 failover_timeout=failover_timeout, admin_token=admin_token)  # fmt: skip
+                                 failover_timeout=failover_timeout, admin_token=admin_token,
+                                 spin=self.engine.config.spin_us * 1e-6)  # fmt: skip
         self.timeout = timeout
         mac_key = auth.derive_key(token, auth.KV_MAC) if token else None
         self.io = ReplicaIO(self.engine, timeout, mac_key, self._report_unreachable)
@@ -91,11 +92,16 @@ class StoreClient:
         view = byte_view(value, writable=False)
         wire = options.to_wire() if options is not None else None
         deadline = time.monotonic() + self.timeout
+        sums: list[int] = []  # the checksum, computed while the master allots the replicas
+
+        def checksum() -> None:
+            if not sums:
+                sums.append(self.io.checksum(key, [view]))
+
         while True:
             try:
-                meta = ObjectDesc.from_wire(
-                    self.master.call("put_start", key, len(view), replicas, wire)
-                )
+                meta = ObjectDesc.from_wire(self.master.call(
+                    "put_start", key, len(view), replicas, wire, meanwhile=checksum))  # fmt: skip
                 break
             except RoomPendingError:  # offloads are making room: ask again in a moment
                 if time.monotonic() > deadline:
@@ -106,7 +112,8 @@ class StoreClient:
         except KVPoolError:
             self._revoke_many([[key, meta.put_id]])
             raise
-        self.master.call("put_end", key, meta.put_id, self.io.checksum(key, [view]))
+        checksum()
+        self.master.call("put_end", key, meta.put_id, sums[0])
 
     put_from = put  # values are never copied on the way out: the engine sends from the buffer
 
@@ -175,11 +182,13 @@ class StoreClient:
         """Per key the tier a read would come from ("dram", "ssd"), or None when missing."""
         return self._batched("batch_tiers", keys)
 
-    def _put_starts(self, items: list, replicas: int | None, wire) -> list:
+    def _put_starts(self, items: list, replicas: int | None, wire, meanwhile=None) -> list:
         """``batch_put_start``: per item the started put (an ``ObjectDesc``) or the
         ``KVPoolError`` that refused it, asking again for the items that got
-        ``RoomPendingError`` (offloads are making room) until ``timeout`` passes."""
-        metas = self._started(self._batched("batch_put_start", items, replicas, wire))
+        ``RoomPendingError`` (offloads are making room) until ``timeout`` passes
+        (``meanwhile``: see ``RpcClient.call``)."""
+        metas = self._started(self._batched("batch_put_start", items, replicas, wire,
+                                            meanwhile=meanwhile))  # fmt: skip
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             again = [i for i, m in enumerate(metas) if isinstance(m, RoomPendingError)]
@@ -199,11 +208,13 @@ class StoreClient:
     def _descs(self, method: str, keys: list[str]) -> list[ObjectDesc | None]:
         return [ObjectDesc.maybe(m) for m in self._batched(method, keys)]
 
-    def _batched(self, method: str, items: list, *args) -> list:
-        """A batch call cut into master calls of at most ``BATCH`` items."""
+    def _batched(self, method: str, items: list, *args, meanwhile=None) -> list:
+        """A batch call cut into master calls of at most ``BATCH`` items (``meanwhile`` runs
+        during the first)."""
         out: list = []
         for i in range(0, len(items), BATCH):
-            out.extend(self.master.call(method, items[i : i + BATCH], *args))
+            out.extend(self.master.call(method, items[i : i + BATCH], *args,
+                                        meanwhile=meanwhile if i == 0 else None))  # fmt: skip
         return out
 
     def upsert(self, key: str, value, replicas: int | None = None) -> None:
@@ -256,7 +267,14 @@ class StoreClient:
             for k in keys:
                 self.leases.drop(k)
         wire = options.to_wire() if options is not None else None
-        metas = self._put_starts(items, replicas, wire)
+        sums: list[int] = []  # checksums, computed while the master allots the replicas
+
+        def checksums() -> None:
+            if not sums:
+                sums.extend(self.io.checksum(k, ps) for k, ps in zip(keys, parts, strict=True))
+
+        metas = self._put_starts(items, replicas, wire, checksums)
+        checksums()
         results: list = [None] * len(keys)
         reqs, owners = [], []
         for i, (meta, ps) in enumerate(zip(metas, parts, strict=True)):
@@ -279,8 +297,7 @@ class StoreClient:
         for i, status in zip(owners if statuses else [], statuses, strict=True):
             if not status.ok and results[i] is None:
                 results[i] = status.error
-        ends = [[keys[i], metas[i].put_id, self.io.checksum(keys[i], parts[i])]
-                for i in range(len(keys)) if results[i] is None]  # fmt: skip
+        ends = [[keys[i], metas[i].put_id, sums[i]] for i in range(len(keys)) if results[i] is None]
         failed = [[keys[i], metas[i].put_id] for i in range(len(keys))
                   if results[i] is not None and isinstance(metas[i], ObjectDesc)]  # fmt: skip
         if failed:

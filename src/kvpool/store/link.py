@@ -37,6 +37,7 @@ class MasterLink:
         timeout: float = 10.0,
         failover_timeout: float = 15.0,
         admin_token: str | None = None,
+        spin: float = 0.0,
     ) -> None:
         self.etcd = EtcdClient(master[len("etcd://") :]) if master.startswith("etcd://") else None
         self.failover_timeout = failover_timeout
@@ -44,7 +45,7 @@ class MasterLink:
         # with etcd, a dead leader must be noticed fast: short calls, retried on the new one
         call_timeout = min(timeout, 2.0) if self.etcd else timeout
         self.rpc = RpcClient(self._resolve() if self.etcd else master, token, call_timeout,
-                             admin_token=admin_token)  # fmt: skip
+                             admin_token=admin_token, spin=spin)  # fmt: skip
 
     def _resolve(self) -> str:
         from kvpool.store.master.ha import leader_address

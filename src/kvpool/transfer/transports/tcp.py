@@ -169,7 +169,8 @@ class TcpTransport(Transport):
         except BaseException:
             sock.close()
             raise
-        return Connection(sock, f"{peer[0]}:{peer[1]}", int(cfg.tcp_inline_bytes))
+        return Connection(sock, f"{peer[0]}:{peer[1]}", int(cfg.tcp_inline_bytes),
+                          cfg.spin_us * 1e-6)  # fmt: skip
 
     def _handshake(self, sock: socket.socket, where: str, deadline: float) -> None:
         """The client side of the challenge-response (see ``protocol``): prove the token,

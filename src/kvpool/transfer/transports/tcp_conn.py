@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Callable
 
 from kvpool.common.errors import BadRequestError, KVPoolTimeoutError, NotFoundError, TransferError
+from kvpool.common.net import spin_until_readable
 from kvpool.transfer import protocol as P
 from kvpool.transfer.request import BatchHandle, PendingOp, finish_ops
 
@@ -58,10 +59,12 @@ class Frame:
 class Connection:
     """One socket, a sender and a receiver thread, and the reader role."""
 
-    def __init__(self, sock: socket.socket, peer: str, inline_bytes: int) -> None:
+    def __init__(self, sock: socket.socket, peer: str, inline_bytes: int,
+                 spin_s: float = 0.0) -> None:  # fmt: skip
         self.sock = sock
         self.peer = peer
         self.inline_bytes = inline_bytes
+        self.spin_s = spin_s  # an exchange polls this long for its replies before it sleeps
         # One lock, one condition per kind of waiter, so a wake-up wakes only who can act.
         self._lock = threading.Lock()
         self._send_cv = threading.Condition(self._lock)  # the sender thread: frames queued
@@ -228,6 +231,7 @@ class Connection:
                 out += (hview[i * size : (i + 1) * size], local)
         try:
             P.sendmsg_all(self.sock, out, deadline)
+            spin_until_readable(self.sock, self.spin_s)
             P.recvmsg_exact(self.sock, into, deadline)
             return [self._reply_error(replies, i, first + i, op, items[i]) for i in range(n)]
         except (OSError, ConnectionError, P.FrameError) as exc:
