@@ -200,6 +200,20 @@ def ensure_vllm() -> dict:
     return info
 
 
+def ensure_kvpool() -> None:
+    """kvpool (this checkout, editable) installed into the vllm venv, for the KV connector."""
+    root = Path(__file__).resolve().parents[2]
+    probe = [str(_python()), "-c", "import kvpool, sys; sys.stdout.write(kvpool.__file__)"]
+    got = subprocess.run(probe, capture_output=True, text=True, check=False)
+    if got.returncode == 0 and Path(got.stdout).resolve().is_relative_to(root / "src"):
+        return
+    log(f"vllm: installing kvpool ({root}) into {VENV}")
+    code = _run_logged([str(_python()), "-m", "pip", "install", "-q", "-e", str(root)],
+                       INSTALL_LOG, INSTALL_TIMEOUT_S, None, "install kvpool")  # fmt: skip
+    if code != 0:
+        raise RuntimeError(f"installing kvpool into {VENV} failed; see {INSTALL_LOG}")
+
+
 # -- model ---------------------------------------------------------------------------------
 
 

@@ -132,6 +132,15 @@ def _folder_fingerprint(folder: Path, name: str) -> str:
     return f"{_slug(name)}-{digest.hexdigest()[:16]}"
 
 
+def folder_fingerprint(folder: str | Path) -> str:
+    """The model fingerprint of a Hugging Face folder, as every kvpool engine computes it (the
+    one ``export-hf`` recorded, else a digest of config.json and the weight files): the same
+    weights give the same KV namespace whichever engine (kvpool's, vLLM) loaded them."""
+    folder = Path(folder)
+    info = read_optional_json(folder / INFO_FILE)
+    return info.get("fingerprint") or _folder_fingerprint(folder, info.get("name") or folder.name)
+
+
 def load_folder(folder: Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load a Hugging Face-format folder (ours or any Llama/Qwen2 checkpoint)."""
     hf_config = _folder_config(folder)
@@ -142,8 +151,7 @@ def load_folder(folder: Path, dtype: torch.dtype = torch.float32) -> LoadedModel
     weights = load_hf_weights(folder, config.tie_word_embeddings)
     check_weights(config, weights, str(folder))
     weights = {k: v.to(dtype) for k, v in weights.items()}
-    fingerprint = info.get("fingerprint") or _folder_fingerprint(folder, name)
-    return LoadedModel(config, weights, tokenizer, fingerprint, str(folder))
+    return LoadedModel(config, weights, tokenizer, folder_fingerprint(folder), str(folder))
 
 
 def _hf_folder(path: Path, cache_dir: str | None) -> Path:

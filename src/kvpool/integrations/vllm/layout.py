@@ -1,0 +1,128 @@
+"""vLLM's paged KV layout and kvpool's KV object layout, and the copies between them.
+
+vLLM's CPU backend keeps one tensor per attention layer, ``[blocks, kv_heads, block_size,
+2 * head_dim]`` ("LBHNC"), but inside a block the order of keys and values is its kernel's
+business (with the AVX-512 kernel the block of each head holds the keys transposed,
+``[head_dim, block_size]``, then the values ``[block_size, head_dim]``; other instruction sets
+may tile differently). So the connector does not assume it: ``BlockMap`` says, for every
+(token in block, head, channel) of the keys and of the values, where in one block's flat
+memory it lives. The connector measures it once at start-up by writing known values through
+vLLM's own cache-write kernel (``connector.probe_block_map``).
+
+A kvpool KV object holds one kvpool block (``kv_block`` tokens, 16 by default) of every layer
+as ``[layers, 2, kv_block, kv_heads, head_dim]``: the slice of kvpool's own block-major cache
+(``engine/model_runner.allocate_kv_cache``), so a block saved by either engine is read by the
+other. A vLLM block holds ``vllm_block // kv_block`` kvpool blocks (vLLM's CPU attention wants
+multiples of 32 tokens): the ``sub`` index says which.
+
+Pure torch, no vLLM import: the conversion is tested without vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class VllmLayout:
+    """The shapes on both sides."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    vllm_block: int  # tokens per vLLM block
+    kv_block: int  # tokens per kvpool block (per pool object)
+
+    def __post_init__(self) -> None:
+        if self.kv_block <= 0 or self.vllm_block % self.kv_block:
+            raise ValueError(
+                f"vLLM's block of {self.vllm_block} tokens cannot be cut into kvpool blocks of "
+                f"{self.kv_block}"
+            )
+
+    @property
+    def subs(self) -> int:
+        """kvpool blocks per vLLM block."""
+        return self.vllm_block // self.kv_block
+
+    @property
+    def block_elems(self) -> int:
+        """Elements of one vLLM block of one layer."""
+        return self.kv_heads * self.vllm_block * 2 * self.head_dim
+
+    def block_shape(self) -> tuple[int, ...]:
+        """One pool object's payload: ``[layers, 2, kv_block, kv_heads, head_dim]``."""
+        return (self.num_layers, 2, self.kv_block, self.kv_heads, self.head_dim)
+
+    def check_layer(self, name: str, t: torch.Tensor) -> None:
+        want = (self.kv_heads, self.vllm_block, 2 * self.head_dim)
+        if t.dim() != 4 or tuple(t.shape[1:]) != want or not t.is_contiguous():
+            raise ValueError(
+                f"vLLM KV tensor {name} is {tuple(t.shape)} (contiguous: {t.is_contiguous()}); "
+                f"expected contiguous [blocks, {want[0]}, {want[1]}, {want[2]}]: a layout this "
+                "connector does not know"
+            )
+
+
+@dataclass(frozen=True)
+class BlockMap:
+    """Where each key and value element of a vLLM block lives in its flat memory:
+    ``keys[t, h, d]`` / ``values[t, h, d]`` (``[vllm_block, kv_heads, head_dim]`` offsets)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def check(self, layout: VllmLayout) -> None:
+        shape = (layout.vllm_block, layout.kv_heads, layout.head_dim)
+        both = torch.cat([self.keys.reshape(-1), self.values.reshape(-1)])
+        if tuple(self.keys.shape) != shape or tuple(self.values.shape) != shape or \
+                not torch.equal(both.sort().values, torch.arange(layout.block_elems)):  # fmt: skip
+            raise ValueError("the block map is not a permutation of one vLLM block")
+
+
+def head_major_map(layout: VllmLayout, keys_transposed: bool) -> BlockMap:
+    """A map of per-head blocks holding keys then values (keys ``[head_dim, block]`` when
+    ``keys_transposed``, else ``[block, head_dim]``; values ``[block, head_dim]``)."""
+    n, h, d = layout.vllm_block, layout.kv_heads, layout.head_dim
+    t = torch.arange(n).view(n, 1, 1)
+    hh = torch.arange(h).view(1, h, 1)
+    dd = torch.arange(d).view(1, 1, d)
+    base = hh * (2 * n * d)
+    keys = base + (dd * n + t if keys_transposed else t * d + dd)
+    values = base + n * d + t * d + dd
+    return BlockMap(keys.contiguous(), values.contiguous())
+
+
+def _indices(layout: VllmLayout, bmap: BlockMap, subs: list[int]) -> tuple[torch.Tensor, ...]:
+    """Per kvpool block ``i``: the offsets of its keys and values ``[n, kv_block, heads, d]``."""
+    cut = (layout.subs, layout.kv_block, layout.kv_heads, layout.head_dim)
+    sb = torch.as_tensor(subs, dtype=torch.long)
+    return bmap.keys.view(cut)[sb], bmap.values.view(cut)[sb]
+
+
+def gather(layout: VllmLayout, bmap: BlockMap, layers: list[torch.Tensor], vblocks: list[int],
+           subs: list[int], out: torch.Tensor, rows: list[int]) -> None:  # fmt: skip
+    """Copy kvpool blocks ``(vblocks[i], subs[i])`` of vLLM's ``layers`` into ``out[rows[i]]``
+    (``out``: ``[slots, *layout.block_shape()]``, e.g. a staging tensor bound to the pool)."""
+    kidx, vidx = _indices(layout, bmap, subs)
+    vb = torch.as_tensor(vblocks, dtype=torch.long).view(-1, 1, 1, 1)
+    at = torch.as_tensor(rows, dtype=torch.long)
+    for i, t in enumerate(layers):
+        flat = t.view(t.shape[0], -1)
+        out[at, i, 0] = flat[vb, kidx].to(out.dtype)
+        out[at, i, 1] = flat[vb, vidx].to(out.dtype)
+
+
+def scatter(layout: VllmLayout, bmap: BlockMap, src: torch.Tensor, rows: list[int],
+            layers: list[torch.Tensor], vblocks: list[int], subs: list[int]) -> None:  # fmt: skip
+    """The inverse of ``gather``: ``src[rows[i]]`` into kvpool block ``(vblocks[i], subs[i])``."""
+    kidx, vidx = _indices(layout, bmap, subs)
+    vb = torch.as_tensor(vblocks, dtype=torch.long).view(-1, 1, 1, 1)
+    at = torch.as_tensor(rows, dtype=torch.long)
+    for i, t in enumerate(layers):
+        flat = t.view(t.shape[0], -1)
+        kv = src[at, i]  # [n, 2, kv_block, heads, d]
+        flat[vb, kidx] = kv[:, 0].to(t.dtype)
+        flat[vb, vidx] = kv[:, 1].to(t.dtype)

@@ -1,0 +1,47 @@
+"""The layout conversion between vLLM's paged KV tensors and kvpool's KV objects (no vLLM
+needed: ``layout.py`` is pure torch; the map vLLM's kernel really uses is measured by
+``probe_block_map`` and exercised in ``test_vllm_connector.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpool.integrations.vllm.layout import BlockMap, VllmLayout, gather, head_major_map, scatter
+
+LAYOUT = VllmLayout(num_layers=3, kv_heads=2, head_dim=4, vllm_block=32, kv_block=16)
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+def test_gather_follows_the_map_and_scatter_inverts_it(transposed):
+    bmap = head_major_map(LAYOUT, transposed)
+    bmap.check(LAYOUT)
+    layers = [torch.randn(10, 2, 32, 8) for _ in range(3)]
+    vblocks, subs, rows = [3, 3, 7, 1], [0, 1, 1, 0], [5, 0, 2, 3]
+    out = torch.full((6, *LAYOUT.block_shape()), float("nan"))
+    gather(LAYOUT, bmap, layers, vblocks, subs, out, rows)
+    # layer 1, vLLM block 7, second kvpool block, token 5 (21 of the vLLM block), head 1, dim 2
+    head = layers[1][7].reshape(2, -1)[1]  # one head's 32 x 8 elements: keys, then values
+    key_at = 2 * 32 + 21 if transposed else 21 * 4 + 2
+    assert out[2, 1, 0, 5, 1, 2] == head[key_at]
+    assert out[2, 1, 1, 5, 1, 2] == head[32 * 4 + 21 * 4 + 2]
+    assert not out[[1, 4]].isfinite().any()  # rows not named are untouched
+
+    fresh = [torch.zeros_like(t) for t in layers]
+    scatter(LAYOUT, bmap, out, rows, fresh, vblocks, subs)
+    back = torch.empty(4, *LAYOUT.block_shape())
+    gather(LAYOUT, bmap, fresh, vblocks, subs, back, [0, 1, 2, 3])
+    assert torch.equal(back, out[rows])
+    assert all(torch.equal(a[3], b[3]) for a, b in zip(layers, fresh, strict=True))
+    assert all(not b[[0, 2, 4, 5, 6, 8, 9]].any() for b in fresh)  # other blocks untouched
+
+
+def test_bad_layouts_are_refused():
+    with pytest.raises(ValueError, match="cannot be cut"):
+        VllmLayout(3, 2, 4, vllm_block=32, kv_block=24)
+    bmap = head_major_map(LAYOUT, True)
+    broken = BlockMap(bmap.keys.clone(), bmap.keys.clone())  # values alias the keys
+    with pytest.raises(ValueError, match="not a permutation"):
+        broken.check(LAYOUT)
+    with pytest.raises(ValueError, match="layout this connector does not know"):
+        LAYOUT.check_layer("model.layers.0.self_attn.attn", torch.zeros(10, 2, 16, 8))
