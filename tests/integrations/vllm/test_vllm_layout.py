@@ -45,3 +45,41 @@ def test_bad_layouts_are_refused():
         broken.check(LAYOUT)
     with pytest.raises(ValueError, match="layout this connector does not know"):
         LAYOUT.check_layer("model.layers.0.self_attn.attn", torch.zeros(10, 2, 16, 8))
+
+
+def _vllm_config(folder, dtype=torch.float32, block=32, layers=30):
+    from types import SimpleNamespace as NS
+
+    hf = NS(num_attention_heads=9, num_key_value_heads=3, head_dim=64, hidden_size=576,
+            num_hidden_layers=layers)  # fmt: skip
+    return NS(model_config=NS(model=str(folder), hf_config=hf, dtype=dtype),
+              cache_config=NS(block_size=block))  # fmt: skip
+
+
+def test_vllm_namespace_is_kvpools_and_differs_where_objects_cannot_be_shared(tmp_path):
+    import json
+
+    from kvpool.common.hashing import kv_namespace
+    from kvpool.integrations.vllm.layout import pool_namespace
+    from kvpool.model.loader import folder_fingerprint
+
+    folder = tmp_path / "exported"
+    folder.mkdir()
+    (folder / "kvpool.json").write_text(json.dumps({"fingerprint": "smollm2-135m-abc"}))
+    ns, layout = pool_namespace(_vllm_config(folder), 16)
+    # the string kvpool's engine builds for the same weights, dtype and block size
+    assert ns == kv_namespace("smollm2-135m-abc", dtype="float32", block_size=16, num_layers=30,
+                              num_kv_heads=3, head_dim=64)  # fmt: skip
+    assert layout == VllmLayout(30, 3, 64, 32, 16)
+    other = tmp_path / "plain"  # no kvpool.json: a digest of config.json and the weights
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    (other / "model.safetensors").write_bytes(b"weights")
+    assert folder_fingerprint(other) in pool_namespace(_vllm_config(other), 16)[0]
+    variants = {
+        pool_namespace(_vllm_config(folder, dtype=torch.bfloat16), 16)[0],
+        pool_namespace(_vllm_config(folder), 32)[0],
+        pool_namespace(_vllm_config(folder, layers=12), 16)[0],
+        pool_namespace(_vllm_config(other), 16)[0],
+    }
+    assert ns not in variants and len(variants) == 4

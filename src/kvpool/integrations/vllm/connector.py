@@ -53,9 +53,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvpool.common.errors import KVPoolError
-from kvpool.common.hashing import block_hashes, kv_namespace, leading_true, namespace_seed
+from kvpool.common.hashing import block_hashes, leading_true, namespace_seed
 from kvpool.engine.connectors.base import BlockRef
-from kvpool.integrations.vllm.layout import BlockMap, VllmLayout, gather, scatter
+from kvpool.integrations.vllm.layout import BlockMap, VllmLayout, gather, pool_namespace, scatter
 from kvpool.protocol.kv_object import block_key
 
 logger = logging.getLogger("kvpool.integrations.vllm")
@@ -95,24 +95,6 @@ def _settings(vllm_config) -> dict:
         raise ValueError("KVPoolConnector needs kv_connector_extra_config.master (HOST:PORT of "
                          "kvpool store master, or etcd://HOST:PORT)")  # fmt: skip
     return extra
-
-
-def pool_namespace(vllm_config, kv_block: int) -> tuple[str, VllmLayout]:
-    """The kvpool KV namespace of vLLM's model (the same string kvpool's engine builds for the
-    same weights, dtype and block size) and the layout on both sides."""
-    from kvpool.model.loader import folder_fingerprint
-
-    mc = vllm_config.model_config
-    hf = mc.hf_config
-    heads = hf.num_attention_heads
-    kv_heads = getattr(hf, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-    dtype = str(mc.dtype).removeprefix("torch.")
-    layout = VllmLayout(hf.num_hidden_layers, kv_heads, head_dim,
-                        vllm_config.cache_config.block_size, kv_block)  # fmt: skip
-    ns = kv_namespace(folder_fingerprint(mc.model), dtype=dtype, block_size=kv_block,
-                      num_layers=layout.num_layers, num_kv_heads=kv_heads, head_dim=head_dim)  # fmt: skip
-    return ns, layout
 
 
 def _client(extra: dict, compute_process: bool):

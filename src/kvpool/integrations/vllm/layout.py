@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpool.common.hashing import kv_namespace
+
 
 @dataclass(frozen=True, slots=True)
 class VllmLayout:
@@ -64,6 +66,26 @@ class VllmLayout:
                 f"expected contiguous [blocks, {want[0]}, {want[1]}, {want[2]}]: a layout this "
                 "connector does not know"
             )
+
+
+def pool_namespace(vllm_config, kv_block: int) -> tuple[str, VllmLayout]:
+    """The kvpool KV namespace of vLLM's model (the string kvpool's engine builds for the same
+    weights, dtype and block size: ``hashing.kv_namespace`` of the folder's fingerprint) and
+    the layout on both sides. Reads only ``model_config`` (model folder, ``hf_config``,
+    dtype) and ``cache_config.block_size`` of ``vllm_config``."""
+    from kvpool.model.loader import folder_fingerprint
+
+    mc = vllm_config.model_config
+    hf = mc.hf_config
+    heads = hf.num_attention_heads
+    kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    dtype = str(mc.dtype).removeprefix("torch.")
+    layout = VllmLayout(hf.num_hidden_layers, kv_heads, head_dim,
+                        vllm_config.cache_config.block_size, kv_block)  # fmt: skip
+    ns = kv_namespace(folder_fingerprint(mc.model), dtype=dtype, block_size=kv_block,
+                      num_layers=layout.num_layers, num_kv_heads=kv_heads, head_dim=head_dim)  # fmt: skip
+    return ns, layout
 
 
 @dataclass(frozen=True)

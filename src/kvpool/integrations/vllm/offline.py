@@ -31,6 +31,8 @@ def main() -> None:
     ap.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--master", default=None, help="kvpool store master: use the pool")
+    ap.add_argument("--example-storage", default=None,
+                    help="use vLLM's own ExampleConnector (KV files in this folder) instead")  # fmt: skip
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=4096)
@@ -40,20 +42,28 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     kw: dict = {}
-    if args.master:
+    if args.master or args.example_storage:
         from vllm.config import KVTransferConfig
 
-        extra = {"master": args.master, "stats_file": args.out + ".stats"}
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVPoolConnector", kv_connector_module_path="kvpool.integrations.vllm",
-            kv_role="kv_both", kv_connector_extra_config=extra)  # fmt: skip
+        if args.master:
+            extra = {"master": args.master, "stats_file": args.out + ".stats"}
+            kw["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="KVPoolConnector", kv_connector_module_path="kvpool.integrations.vllm",
+                kv_role="kv_both", kv_connector_extra_config=extra)  # fmt: skip
+        else:
+            kw["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="ExampleConnector", kv_role="kv_both",
+                kv_connector_extra_config={"shared_storage_path": args.example_storage})  # fmt: skip
     with open(args.prompts) as f:
         prompts = json.load(f)
     t0 = time.monotonic()
     llm = LLM(model=args.model, dtype=args.dtype, block_size=args.block_size, seed=0,
               max_model_len=args.max_model_len, enforce_eager=True,
               enable_prefix_caching=False, **kw)  # fmt: skip
-    say(f"vLLM loaded in {time.monotonic() - t0:.1f} s (pool: {args.master or 'none'})")
+    how = args.master or (
+        f"ExampleConnector {args.example_storage}" if args.example_storage else "none"
+    )
+    say(f"vLLM loaded in {time.monotonic() - t0:.1f} s (pool: {how})")
 
     def params(n: int) -> SamplingParams:
         return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -68,7 +78,7 @@ def main() -> None:
         results.append({"ttft_s": ttft, "tokens": list(out[0].outputs[0].token_ids)})
         say(f"prompt of {len(p)} tokens: TTFT {ttft:.3f} s")
     with open(args.out, "w") as f:
-        json.dump({"results": results, "pool": args.master}, f)
+        json.dump({"results": results, "pool": args.master, "example": args.example_storage}, f)
 
 
 if __name__ == "__main__":
