@@ -59,7 +59,7 @@ from kvpool.integrations.vllm.layout import BlockMap, VllmLayout, gather, pool_n
 from kvpool.protocol.kv_object import block_key
 
 logger = logging.getLogger("kvpool.integrations.vllm")
-CHUNK = 32  # kvpool blocks per staged load step
+CHUNK = 128  # kvpool blocks per staged load step
 
 
 @dataclass(slots=True)
@@ -285,7 +285,8 @@ class KVPoolConnector(KVConnectorBase_V1):
                              "is not supported")  # fmt: skip
         self._map = probe_block_map(self.layout, self._layers[0].dtype, "auto")
         slots = int(self._extra.get("staging_blocks", 256))
-        staging = torch.zeros((slots, *self.layout.block_shape()), dtype=self._layers[0].dtype)
+        staging = torch.empty((slots, *self.layout.block_shape()), dtype=self._layers[0].dtype)
+        staging.fill_(0)  # touch every page now, not on the first load
         self._store = StoreConnector(self._client, async_load=False, fetch_policy=False,
                                      direct=False)  # fmt: skip
         self._store.bind(staging, self._kv_block, self.namespace)
@@ -300,6 +301,7 @@ class KVPoolConnector(KVConnectorBase_V1):
     def _take(self, n: int) -> list[int]:
         with self._lock:
             self._free.extend(self._store.poll_saved())
+            self._free.sort()  # ascending slots: mostly one run, copied without an index
             got, self._free = self._free[:n], self._free[n:]
         return got
 

@@ -117,34 +117,47 @@ def head_major_map(layout: VllmLayout, keys_transposed: bool) -> BlockMap:
     return BlockMap(keys.contiguous(), values.contiguous())
 
 
-def _indices(layout: VllmLayout, bmap: BlockMap, subs: list[int]) -> tuple[torch.Tensor, ...]:
-    """Per kvpool block ``i``: the offsets of its keys and values ``[n, kv_block, heads, d]``."""
+def _linear(
+    layout: VllmLayout, bmap: BlockMap, vblocks: list[int], subs: list[int]
+) -> torch.Tensor:
+    """Flat offsets in one layer's tensor of kvpool blocks ``(vblocks[i], subs[i])``, in the
+    object's order ``[n, 2, kv_block, heads, d]`` (one 1-D index: the cheapest copy torch has)."""
     cut = (layout.subs, layout.kv_block, layout.kv_heads, layout.head_dim)
+    both = torch.stack([bmap.keys.view(cut), bmap.values.view(cut)], dim=1)  # [subs, 2, ...]
     sb = torch.as_tensor(subs, dtype=torch.long)
-    return bmap.keys.view(cut)[sb], bmap.values.view(cut)[sb]
+    vb = torch.as_tensor(vblocks, dtype=torch.long).view(-1, 1, 1, 1, 1)
+    return (both[sb] + vb * layout.block_elems).reshape(-1)
 
 
 def gather(layout: VllmLayout, bmap: BlockMap, layers: list[torch.Tensor], vblocks: list[int],
            subs: list[int], out: torch.Tensor, rows: list[int]) -> None:  # fmt: skip
     """Copy kvpool blocks ``(vblocks[i], subs[i])`` of vLLM's ``layers`` into ``out[rows[i]]``
     (``out``: ``[slots, *layout.block_shape()]``, e.g. a staging tensor bound to the pool)."""
-    kidx, vidx = _indices(layout, bmap, subs)
-    vb = torch.as_tensor(vblocks, dtype=torch.long).view(-1, 1, 1, 1)
-    at = torch.as_tensor(rows, dtype=torch.long)
+    lin = _linear(layout, bmap, vblocks, subs)
+    shape = (len(rows), *layout.block_shape()[1:])
+    run = _run(rows)
+    at = None if run is not None else torch.as_tensor(rows, dtype=torch.long)
     for i, t in enumerate(layers):
-        flat = t.view(t.shape[0], -1)
-        out[at, i, 0] = flat[vb, kidx].to(out.dtype)
-        out[at, i, 1] = flat[vb, vidx].to(out.dtype)
+        got = t.view(-1)[lin].view(shape)
+        if run is not None:
+            out[run, i] = got
+        else:
+            out[at, i] = got.to(out.dtype)
+
+
+def _run(rows: list[int]) -> slice | None:
+    """``rows`` as a slice when they are consecutive (a plain copy instead of an index)."""
+    if rows and rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0], rows[-1] + 1)):
+        return slice(rows[0], rows[-1] + 1)
+    return None
 
 
 def scatter(layout: VllmLayout, bmap: BlockMap, src: torch.Tensor, rows: list[int],
             layers: list[torch.Tensor], vblocks: list[int], subs: list[int]) -> None:  # fmt: skip
     """The inverse of ``gather``: ``src[rows[i]]`` into kvpool block ``(vblocks[i], subs[i])``."""
-    kidx, vidx = _indices(layout, bmap, subs)
-    vb = torch.as_tensor(vblocks, dtype=torch.long).view(-1, 1, 1, 1)
-    at = torch.as_tensor(rows, dtype=torch.long)
+    lin = _linear(layout, bmap, vblocks, subs)
+    run = _run(rows)
+    at = None if run is not None else torch.as_tensor(rows, dtype=torch.long)
     for i, t in enumerate(layers):
-        flat = t.view(t.shape[0], -1)
-        kv = src[at, i]  # [n, 2, kv_block, heads, d]
-        flat[vb, kidx] = kv[:, 0].to(t.dtype)
-        flat[vb, vidx] = kv[:, 1].to(t.dtype)
+        part = src[run, i] if run is not None else src[at, i]
+        t.view(-1)[lin] = part.reshape(-1).to(t.dtype)
