@@ -209,8 +209,7 @@ class StoreClient:
         return [ObjectDesc.maybe(m) for m in self._batched(method, keys)]
 
     def _batched(self, method: str, items: list, *args, meanwhile=None) -> list:
-        """A batch call cut into master calls of at most ``BATCH`` items (``meanwhile`` runs
-        during the first)."""
+        """A batch call in master calls of at most ``BATCH`` items (``meanwhile``: the first's)."""
         out: list = []
         for i in range(0, len(items), BATCH):
             out.extend(self.master.call(method, items[i : i + BATCH], *args,

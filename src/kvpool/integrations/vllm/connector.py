@@ -55,7 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvpool.common.errors import KVPoolError
 from kvpool.common.hashing import block_hashes, leading_true, namespace_seed
 from kvpool.engine.connectors.base import BlockRef
-from kvpool.integrations.vllm.layout import BlockMap, VllmLayout, gather, pool_namespace, scatter
+from kvpool.integrations.vllm.layout import gather, pool_namespace, probe_block_map, scatter
 from kvpool.protocol.kv_object import block_key
 
 logger = logging.getLogger("kvpool.integrations.vllm")
@@ -108,42 +108,6 @@ def _client(extra: dict, compute_process: bool):
                             spin_us=0 if compute_process else 500)  # fmt: skip
     return StoreClient(extra["master"], config, token=token, timeout=timeout,
                        failover_timeout=timeout)  # fmt: skip
-
-
-def probe_block_map(layout: VllmLayout, dtype: torch.dtype, kv_cache_dtype: str) -> BlockMap:
-    """Where vLLM's CPU cache-write kernel puts each key and value element of a block: write
-    known values through it (``ops.cpu_attn_reshape_and_cache``, with the instruction set
-    vLLM's CPU attention picks for this dtype and block size) into a scratch block and read
-    where they landed. Values are written in base-64 digits (exact in every float dtype)."""
-    from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    n, h, d = layout.vllm_block, layout.kv_heads, layout.head_dim
-    isa = _get_attn_isa(dtype, n, d, kv_cache_dtype)
-    count = n * h * d
-    ids = torch.arange(count, dtype=torch.long).view(n, h, d)
-    base, digits = 64, 1
-    while base**digits < 2 * count:
-        digits += 1
-    found = torch.zeros(layout.block_elems, dtype=torch.long)
-    slots = torch.arange(n, dtype=torch.long)
-    for k in range(digits):
-        cache = torch.full((1, h, n, 2 * d), -1.0, dtype=dtype)
-        view = cache.view(1, h, 2 * n, d)
-        key_cache, value_cache = view.chunk(2, dim=2)
-        keys = ((ids // base**k) % base).to(dtype)
-        values = (((ids + count) // base**k) % base).to(dtype)
-        ops.cpu_attn_reshape_and_cache(keys.contiguous(), values.contiguous(), key_cache,
-                                       value_cache, slots, isa)  # fmt: skip
-        got = cache.reshape(-1).to(torch.long)
-        if (got < 0).any():
-            raise ValueError(f"vLLM's cache write (isa {isa}) left part of a block unwritten")
-        found += got * base**k
-    where = torch.empty(2 * count, dtype=torch.long)
-    where[found] = torch.arange(layout.block_elems)
-    bmap = BlockMap(where[:count].view(n, h, d).clone(), where[count:].view(n, h, d).clone())
-    bmap.check(layout)
-    return bmap
 
 
 def _layer_index(name: str) -> int:

@@ -14,16 +14,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
 
+logger = logging.getLogger("kvpool.vllm.offline")
+
 
 def say(msg: str) -> None:
-    print(f"[kvpool-vllm {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    logger.info(msg)
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="[kvpool-vllm %(asctime)s] %(message)s", datefmt="%H:%M:%S")  # fmt: skip
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
