@@ -298,10 +298,16 @@ class ConductorConfig:
     max_inflight: int = 64  # requests in flight before 429
     log_level: str = "info"
     http: HttpLimits = field(default_factory=HttpLimits)
+    vllm: list[str] = field(default_factory=list)  # vLLM servers: HOST:PORT[,role=..][,events=..]
+    vllm_model: str | None = None  # the Hugging Face folder they serve (default: model)
+    vllm_dtype: str = "float32"  # their --dtype (part of the pool namespace)
+    prefill_wait: float = 5.0  # seconds a vLLM prefill's KV may take to reach the pool
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError("port must be in [0, 65535]")
+        if self.prefill_wait < 0:
+            raise ValueError("prefill_wait must be >= 0")
         if self.slo_ttft < 0 or self.slo_tbt < 0 or self.balancing_threshold < 0:
             raise ValueError("slo_ttft, slo_tbt and balancing_threshold must be >= 0")
         if self.decode_prefill_tokens < 0 or self.max_inflight < 1:

@@ -46,6 +46,7 @@ from kvpool.conductor.cluster_state import RequestInfo
 from kvpool.conductor.metrics import ConductorMetrics
 from kvpool.conductor.relay import Flight, Relay, RelayResponse, WorkerFailedError
 from kvpool.conductor.router import Route, Router
+from kvpool.conductor.vllm_relay import VllmCalls
 from kvpool.config import HttpLimits
 from kvpool.engine.limits import check_context_length, check_prompt_chars, check_token_ids
 from kvpool.engine.sampling import SamplingParams
@@ -77,15 +78,17 @@ __all__ = ["Conductor", "WorkerFailedError", "build_conductor_app"]
 _CLIENT_FAULTS = (BadRequestError, NotFoundError, PayloadTooLargeError)
 
 
-class Conductor:
+class Conductor(VllmCalls):
     """Request handling behind the routes."""
 
     def __init__(self, cluster: ClusterState, router: Router, tokenizer, model_name: str,
-                 token: str | None = None, prefill_timeout: float = 300.0) -> None:  # fmt: skip
+                 token: str | None = None, prefill_timeout: float = 300.0,
+                 prefill_wait: float = 5.0) -> None:  # fmt: skip
         self.cluster, self.router, self.tok = cluster, router, tokenizer
         self._concatenative = bool(getattr(tokenizer, "concatenative", False))
         self.model_name, self.token = model_name, token
         self.prefill_timeout = prefill_timeout
+        self.prefill_wait = prefill_wait  # a vLLM prefill's KV: seconds to wait for the pool
         self.metrics = ConductorMetrics(cluster)
         self.inflight = 0
         self.metrics.inflight.set_function(lambda: self.inflight)
@@ -183,8 +186,8 @@ class Conductor:
 
     async def handle(self, request: Request) -> Response:
         t0 = time.perf_counter()
-        body = await request.body()
-        parsed = await asyncio.to_thread(self.tokenize, request.url.path, body)
+        raw = await request.body()
+        parsed = await asyncio.to_thread(self.tokenize, request.url.path, raw)
         ids, stream = parsed.ids, parsed.stream
         info = await asyncio.to_thread(self.request_info, ids, parsed.max_tokens)
         try:
@@ -200,10 +203,14 @@ class Conductor:
         flight = self._take_flight(route)
         response: Response | None = None
         try:
-            cached, handle, first = await self._prefill(route, ids) if route.prefill is not None \
-                else (None, None, None)  # fmt: skip
-            url = f"http://{self._http_of(route.decode.worker_id)}/internal/generate"
+            cached, handle, first = await self._prefill(route, ids, request.url.path, raw, info) \
+                if route.prefill is not None else (None, None, None)  # fmt: skip
             self.metrics.routed.labels(route.decode.worker_id, "decode").inc()
+            dec = self.cluster.worker(route.decode.worker_id)
+            if dec is not None and dec.backend is not None:  # a vLLM server: the client's body
+                response = await self._to_vllm(request, route, raw, parsed, info, t0, flight)
+                return response
+            url = f"http://{self._http_of(route.decode.worker_id)}/internal/generate"
             decode = DecodeRequest(f"decode-{uuid.uuid4().hex}", parsed.kind, ids, parsed.params,
                                    stream, parsed.include_usage, cached, handle)  # fmt: skip
             opening = self._first_from_prefill(parsed, first, decode) if stream else []
@@ -215,7 +222,7 @@ class Conductor:
             return await self.relay.json(request, url, body, route.decode.worker_id, t0,
                                          flight)  # fmt: skip
         finally:
-            if response is None:  # a stream's flight ends with its response, any other here
+            if not isinstance(response, RelayResponse):  # a stream's flight ends with it
                 flight.release()
 
     def _first_from_prefill(self, parsed: Parsed, first: list | None,
@@ -265,7 +272,8 @@ class Conductor:
             raise UnavailableError(f"worker {worker_id} is gone")
         return w.view.address
 
-    async def _prefill(self, route: Route, ids: list[int]) -> tuple:
+    async def _prefill(self, route: Route, ids: list[int], path: str, raw: bytes,
+                       info: RequestInfo) -> tuple:  # fmt: skip
         """Run the prompt on the prefill worker; (the prompt tokens it reused, where its KV
         is for the decode worker to read, the greedy first token), or Nones if it failed."""
         assert route.prefill is not None
@@ -281,6 +289,8 @@ class Conductor:
                      self.cluster.block_size)  # fmt: skip
         w.pending_tokens += tokens
         try:
+            if w.backend is not None:
+                return await self._vllm_prefill(w, path, raw, info, t0)
             return await self._run_prefill(w, rid, ids, t0)
         finally:
             w.pending_tokens -= tokens

@@ -21,6 +21,7 @@ from kvpool.common.errors import KVPoolError
 from kvpool.common.hashing import leading_true
 from kvpool.common.rpc import RpcClient
 from kvpool.conductor.cluster_state import ClusterSnapshot, WorkerLoad, WorkerView
+from kvpool.conductor.vllm import VllmBackend, VllmSpec, folder_namespace
 from kvpool.protocol.cluster import WORKERS_PREFIX
 from kvpool.protocol.worker import WorkerStatus
 
@@ -29,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class _Worker:
-    rpc: RpcClient
+    rpc: RpcClient | None  # a kvpool worker's control RPC (None: a vLLM server)
     view: WorkerView | None = None
     last_ok: float = field(default_factory=time.monotonic)
     event_seq: int = 0
@@ -39,6 +40,7 @@ class _Worker:
     failures: int = 0
     pending_tokens: int = 0  # prompt tokens of the prefills routed here, not yet done
     reported_queue: int = 0  # the queued prefill tokens of its last report
+    backend: VllmBackend | None = None  # a vLLM server's poller
 
 
 class ClusterState:
@@ -46,7 +48,9 @@ class ClusterState:
 
     def __init__(self, workers: list[str] | None = None, etcd: str | None = None,
                  store: str | None = None, poll_interval: float = 0.2,
-                 dead_after: float = 2.0, token: str | None = None) -> None:  # fmt: skip
+                 dead_after: float = 2.0, token: str | None = None,
+                 vllm: list[VllmSpec] | None = None, vllm_model: str | None = None,
+                 vllm_dtype: str = "float32", vllm_api_key: str | None = None) -> None:  # fmt: skip
         self.static = list(workers or [])
         self.etcd = None
         if etcd:
@@ -71,6 +75,14 @@ class ClusterState:
         self.block_bytes = 0
         self.max_model_len: int | None = None  # the workers' (None until one answered)
         self.vocab_size: int | None = None
+        if vllm:  # their pool namespace (and so the hash chains) from the model folder
+            if not vllm_model:
+                raise ValueError("vLLM servers need the model folder they serve (vllm_model)")
+            self.namespace, self.block_bytes = folder_namespace(vllm_model, vllm_dtype)
+            for spec in vllm:
+                self._workers[f"vllm:{spec.address}"] = _Worker(
+                    None, backend=VllmBackend(spec, self.namespace, self.block_size, vllm_api_key)
+                )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvpool-cluster", daemon=True)
 
@@ -85,7 +97,10 @@ class ClusterState:
             self._thread.join(5)
         with self._lock:
             for w in self._workers.values():
-                w.rpc.close()
+                if w.rpc is not None:
+                    w.rpc.close()
+                if w.backend is not None:
+                    w.backend.close()
         if self.store is not None:
             self.store.close()
 
@@ -111,7 +126,9 @@ class ClusterState:
         return list(dict.fromkeys(addrs))
 
     def poll_once(self) -> None:
-        addrs = self._addresses()
+        with self._lock:
+            vllm = [a for a, w in self._workers.items() if w.backend is not None]
+        addrs = self._addresses() + vllm
         with self._lock:
             for a in addrs:
                 if a not in self._workers:
@@ -121,17 +138,39 @@ class ClusterState:
                 self._workers.pop(a).rpc.close()
             items = list(self._workers.items())
         for addr, w in items:
-            self._poll_worker(addr, w)
+            if w.backend is not None:
+                self._poll_vllm(w, w.backend)
+            else:
+                self._poll_worker(addr, w)
         self._poll_pool()
 
+    def _failed(self, w: _Worker, addr: str, exc: Exception) -> None:
+        w.failures += 1
+        if w.view is not None and w.view.alive and self._dead(w):
+            logger.warning("worker %s (%s) stopped answering: %s", w.view.id, addr, exc)
+            w.view.alive = False
+
+    def _poll_vllm(self, w: _Worker, b: VllmBackend) -> None:
+        try:
+            load = b.poll()
+        except KVPoolError as exc:
+            self._failed(w, b.spec.address, exc)
+            return
+        w.failures, w.last_ok, w.cached = 0, time.monotonic(), b.cached
+        load.inflight = w.inflight
+        if w.view is None:
+            logger.info("vLLM %s joined: %s, model %s", b.spec.address, b.spec.role, b.model_id)
+        w.view = WorkerView(b.id, b.spec.role, b.spec.address, "", load, cached=w.cached,
+                            engine="vllm")  # fmt: skip
+        if b.max_model_len and (self.max_model_len is None or b.max_model_len < self.max_model_len):
+            self.max_model_len = b.max_model_len  # the smallest context any server takes
+
     def _poll_worker(self, addr: str, w: _Worker) -> None:
+        assert w.rpc is not None
         try:
             st = WorkerStatus.from_wire(w.rpc.call("status", w.event_seq))
         except KVPoolError as exc:  # unreachable, or an answer that is not a status
-            w.failures += 1
-            if w.view is not None and w.view.alive and self._dead(w):
-                logger.warning("worker %s (%s) stopped answering: %s", w.view.id, addr, exc)
-                w.view.alive = False
+            self._failed(w, addr, exc)
             return
         w.failures = 0
         w.last_ok = time.monotonic()
@@ -153,7 +192,8 @@ class ClusterState:
         if self.namespace is None:
             self.namespace, self.block_size = st.namespace, st.block_size
             self.block_bytes = st.block_bytes
-            self.max_model_len = st.max_model_len
+        if self.vocab_size is None and st.namespace == self.namespace:
+            self.max_model_len = min(st.max_model_len, self.max_model_len or st.max_model_len)
             self.vocab_size = st.vocab_size
         elif st.namespace != self.namespace:
             logger.error("worker %s serves another model/KV format; not routing to it", st.id)
@@ -223,11 +263,13 @@ class ClusterState:
             statuses = {w.view.id: w.status for w in self._workers.values() if w.view}
         for v in snap.workers:
             st = statuses.get(v.id)
+            w = self.worker(v.id)
             workers.append({
                 "id": v.id, "role": v.role, "address": v.address, "rpc": v.rpc,
                 "alive": v.alive, "pid": st.pid if st else None, "load": v.load.to_dict(),
                 "cost": v.cost.to_dict(),
                 "cached_blocks": len(v.cached), "counters": st.counters if st else {},
+                **(w.backend.describe() if w is not None and w.backend is not None else {}),
             })  # fmt: skip
         store = {"up": self.pool_up, **self.pool_stats} if self.store is not None else None
         return {"workers": workers, "store": store, "namespace": self.namespace,

@@ -44,6 +44,7 @@ class WorkerView:
     cost: CostModel = field(default_factory=CostModel)
     cached: frozenset[bytes] | set[bytes] = frozenset()  # block hashes in its local cache
     alive: bool = True
+    engine: str = "kvpool"  # or "vllm": a vLLM server behind the conductor
 
     @property
     def prefills(self) -> bool:

@@ -77,8 +77,8 @@ class Relay:
         self.http, self.metrics, self.failed = http, metrics, failed
 
     async def json(self, request: Request, url: str, body: bytes, worker: str, t0: float,
-                   flight: Flight) -> Response:  # fmt: skip
-        post = asyncio.ensure_future(self.http.post(url, content=body, headers=JSON))
+                   flight: Flight, headers: dict | None = None) -> Response:  # fmt: skip
+        post = asyncio.ensure_future(self.http.post(url, content=body, headers=headers or JSON))
         gone = asyncio.ensure_future(wait_disconnect(request))
         try:
             await asyncio.wait({post, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -103,8 +103,10 @@ class Relay:
         return Response(content, resp.status_code, media_type="application/json")
 
     async def stream(self, url: str, body: bytes, worker: str, t0: float, flight: Flight,
-                     opening: list[str] = ()) -> AsyncIterator[bytes]:  # fmt: skip
-        """``opening``: chunks sent before the worker's (the first token, from the prefill)."""
+                     opening: list[str] = (), headers: dict | None = None,
+                     on_first: Callable[[], None] | None = None) -> AsyncIterator[bytes]:  # fmt: skip
+        """``opening``: chunks sent before the worker's (the first token, from the prefill);
+        ``on_first``: called once, at the first token (or when the stream ends without one)."""
         first = last = None
         chunks = 0
         flight.outcome = "error"
@@ -114,8 +116,8 @@ class Relay:
                 self.metrics.ttft.observe(first - t0)
                 chunks = sum(1 for c in opening if c.startswith("data: "))
                 yield "".join(opening).encode()
-            resp = await self.http.send(self.http.build_request("POST", url, content=body,
-                                                                headers=JSON), stream=True)  # fmt: skip
+            resp = await self.http.send(self.http.build_request(
+                "POST", url, content=body, headers=headers or JSON), stream=True)  # fmt: skip
             try:
                 if resp.status_code != 200:
                     data = await resp.aread()
@@ -128,6 +130,9 @@ class Relay:
                         if first is None:
                             first = now
                             self.metrics.ttft.observe(now - t0)
+                            if on_first is not None:
+                                on_first()
+                                on_first = None
                         elif last is not None:
                             self.metrics.itl.observe(now - last)
                         last, chunks = now, chunks + n
@@ -141,6 +146,8 @@ class Relay:
             yield sse(error_body(502, f"worker {worker} failed mid-stream: "
                                       f"{type(exc).__name__}", WorkerFailedError.error_type)).encode()  # fmt: skip
         finally:
+            if on_first is not None:
+                on_first()
             flight.release()
             if flight.outcome == "ok" and last is not None:
                 self.metrics.e2e.observe(last - t0)

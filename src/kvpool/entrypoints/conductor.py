@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 
@@ -39,6 +40,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--store", default=None, help="the pool's master HOST:PORT or etcd://...")
     p.add_argument("--model", default=None, help="model whose tokenizer to load (default SmolLM2)")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--vllm", action="append", default=[], metavar="SPEC",
+                   help="a vLLM OpenAI server with KVPoolConnector: HOST:PORT[,role=both|prefill|"
+                        "decode][,events=ZMQ_ENDPOINT][,replay=ZMQ_ENDPOINT] (repeat; its API "
+                        "key, if any, in $KVPOOL_VLLM_API_KEY)")  # fmt: skip
+    p.add_argument(
+        "--vllm-model",
+        default=None,
+        help="the Hugging Face folder the vLLM servers serve (default: --model)",
+    )
+    p.add_argument("--vllm-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the vLLM servers' --dtype (default %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--prefill-wait",
+        type=float,
+        default=5.0,
+        help="seconds a vLLM prefill's KV may take to reach the pool (default 5)",
+    )
     add_conductor_args(p)
     common.add_http_args(p)
     p.add_argument("--log-level", default="info")
@@ -55,7 +73,10 @@ def conductor_config(args: argparse.Namespace, workers: list[str] | None = None)
         balancing_threshold=args.balancing_threshold, slo_ttft=args.slo_ttft,
         slo_tbt=args.slo_tbt, decode_prefill_tokens=args.decode_prefill_tokens,
         max_inflight=args.max_inflight, log_level=args.log_level,
-        http=common.http_limits(args))  # fmt: skip
+        http=common.http_limits(args), vllm=list(getattr(args, "vllm", [])),
+        vllm_model=getattr(args, "vllm_model", None),
+        vllm_dtype=getattr(args, "vllm_dtype", "float32"),
+        prefill_wait=getattr(args, "prefill_wait", 5.0))  # fmt: skip
 
 
 def build(cfg: ConductorConfig, token: str | None):
@@ -73,10 +94,16 @@ def build(cfg: ConductorConfig, token: str | None):
         SLOConfig(cfg.slo_ttft or None, cfg.slo_tbt or None, cfg.max_inflight),
         cfg.decode_prefill_tokens,
     )
-    cluster = ClusterState(cfg.workers, etcd=cfg.etcd, store=cfg.store,
-                           token=token or "").start()  # fmt: skip
-    tok = load_tokenizer(cfg.model)
-    return Conductor(cluster, router, tok, cfg.served_model_name, token=token)
+    from kvpool.conductor.vllm import VllmSpec
+
+    specs = [VllmSpec.parse(v) for v in cfg.vllm]
+    cluster = ClusterState(cfg.workers, etcd=cfg.etcd, store=cfg.store, token=token or "",
+                           vllm=specs, vllm_model=cfg.vllm_model or cfg.model,
+                           vllm_dtype=cfg.vllm_dtype,
+                           vllm_api_key=os.environ.get("KVPOOL_VLLM_API_KEY") or None).start()  # fmt: skip
+    tok = load_tokenizer(cfg.model or cfg.vllm_model)
+    return Conductor(cluster, router, tok, cfg.served_model_name, token=token,
+                     prefill_wait=cfg.prefill_wait)  # fmt: skip
 
 
 async def serve_conductor(conductor, cfg: ConductorConfig, on_ready=None) -> None:
@@ -96,11 +123,19 @@ def run(args: argparse.Namespace) -> int:
     token = auth.cluster_token()
     if common.refuse_open_bind("conductor", args.host, token):
         return 2
-    if not args.worker and not args.etcd:
-        print("kvpool conductor: give --worker addresses or --etcd", file=sys.stderr)
+    if not args.worker and not args.etcd and not args.vllm:
+        print("kvpool conductor: give --worker addresses, --etcd or --vllm servers",
+              file=sys.stderr)  # fmt: skip
         return 2
     try:
         cfg = conductor_config(args)
+        if cfg.vllm:
+            from kvpool.conductor.vllm import VllmSpec
+
+            for v in cfg.vllm:
+                VllmSpec.parse(v)
+            if not (cfg.vllm_model or cfg.model):
+                raise ValueError("--vllm needs --vllm-model (or --model): the folder they serve")
     except ValueError as exc:
         print(f"kvpool conductor: invalid configuration: {exc}", file=sys.stderr)
         return 2

