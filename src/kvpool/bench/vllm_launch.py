@@ -82,6 +82,13 @@ class Proc:
             time.sleep(0.1)
         raise RuntimeError(f"{what} not ready after {timeout:.0f}s:\n{self.tail()}")
 
+    def ready_info(self) -> dict:
+        """The ``{"ready": true, ...}`` line it printed."""
+        for line in self.log.read_text(errors="replace").splitlines():
+            if '"ready": true' in line:
+                return json.loads(line[line.index("{"):])
+        raise RuntimeError(f"no ready line in {self.log}")
+
     def stop(self, grace: float = 30.0) -> None:
         if self.proc.poll() is not None:
             return
@@ -164,13 +171,16 @@ def kvpool_cmd() -> list[str]:
 
 class VllmCluster:
     """A pool (master + one node), ``n`` vLLM servers with the connector and KV events, and
-    ``kvpool conductor`` in front of them (``roles``: each server's, default ``both``)."""
+    ``kvpool conductor`` in front of them (``roles``: each server's, default ``both``), plus
+    kvpool workers of ``kvpool_roles`` (mixed clusters; one core each, after the servers')."""
 
     def __init__(self, python: str, model: str, run_dir: Path, n: int = 2,
                  roles: list[str] | None = None, node_memory: str = "2GiB",
-                 conductor_flags: list[str] = ()) -> None:  # fmt: skip
+                 conductor_flags: list[str] = (), kvpool_roles: list[str] = ()) -> None:  # fmt: skip
         self.python, self.model, self.run_dir, self.n = python, model, run_dir, n
         self.roles = roles or ["both"] * n
+        self.kvpool_roles = list(kvpool_roles)
+        self.workers: list[dict] = []  # the kvpool workers' ready lines
         self.node_memory, self.conductor_flags = node_memory, list(conductor_flags)
         self.servers: list[VllmServer] = []
         self.procs: list[Proc] = []
@@ -197,6 +207,15 @@ class VllmCluster:
                                     self.master, f"ipc://{sock}.pub", f"ipc://{sock}.replay",
                                     connector_stats=d / f"vllm-{i}.stats.json")  # fmt: skip
                 self.servers.append(server.launch())  # all at once: one core each
+            for j, role in enumerate(self.kvpool_roles):
+                w = Proc([*kvpool_cmd(), "worker", "--role", role, "--id", f"kvpool-{role}-{j}",
+                          "--store", self.master, "--threads", "1", "--kv-cache-memory", "512MiB",
+                          "--log-level", "warning"], d / f"kvpool-{role}-{j}.log",
+                         {**env, "HF_HUB_OFFLINE": "1",
+                          "OMP_NUM_THREADS": "1"})  # fmt: skip
+                self.procs.append(w)
+                w.wait_ready(300, f"kvpool worker {role}")
+                self.workers.append(w.ready_info())
             for server in self.servers:
                 server.wait()
             port = free_port()
@@ -206,6 +225,8 @@ class VllmCluster:
                    *MEASURE_FLAGS, *self.conductor_flags]  # fmt: skip
             for server, role in zip(self.servers, self.roles, strict=True):
                 cmd += ["--vllm", server.spec(role)]
+            for w in self.workers:
+                cmd += ["--worker", w["rpc"]]
             conductor = Proc(cmd, d / "conductor.log", env)
             self.procs.append(conductor)
             conductor.wait_http(f"{self.url}/health", 120, "kvpool conductor")

@@ -6,7 +6,10 @@ the set-up ``kvpool bench compare --configs vllm-pool,vllm-disaggregated`` start
   blocks in the conductor's view, and a request that extends the prompt goes back to it.
 - Disaggregation: a prefill-role vLLM server computes the prompt (one token) and saves its
   KV to the pool, the decode-role server loads it (its connector says how much) and streams
-  the answer through the conductor, equal to greedy generation on the prefill server's KV.
+  the answer through the conductor, equal to the decode server's own cold answer (a request
+  with a ``cache_salt``: no prefix cache, no pool).
+- Mixed: a kvpool prefill worker computes the prompt into the pool, a vLLM decode server
+  loads it and answers, equal to its own cold answer.
 """
 
 from __future__ import annotations
@@ -57,15 +60,32 @@ def complete(url: str, prompt: list[int], n: int = 12, stream: bool = False) -> 
     return "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
 
 
+def cold(server, model: str, prompt: list[int], n: int = 12) -> str:
+    """The server's own answer computed from scratch: a cache salt isolates it from vLLM's
+    prefix cache, and KVPoolConnector never loads a salted request."""
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
+            "ignore_eos": True, "cache_salt": "cold-reference"}  # fmt: skip
+    resp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["text"]
+
+
+def loaded_blocks(server) -> int:
+    stats = json.loads(server.connector_stats.read_text())
+    assert stats["token_mismatches"] == 0, stats
+    return stats["loaded_blocks"]
+
+
 @pytest.fixture
 def cluster_of(vllm_env, tmp_path: Path):
     from kvpool.bench.vllm_launch import VllmCluster
 
     made = []
 
-    def make(roles: list[str]):
+    def make(roles: list[str], kvpool_roles: list[str] = ()):
         python, model = vllm_env
-        c = VllmCluster(str(python), str(model), tmp_path / "run", len(roles), roles)
+        c = VllmCluster(str(python), str(model), tmp_path / "run", len(roles), roles,
+                        kvpool_roles=kvpool_roles)  # fmt: skip
         made.append(c)
         return c.start()
 
@@ -105,13 +125,21 @@ def test_disaggregated_vllm_prefill_and_decode_through_the_pool(cluster_of):
     r = routed(c.url)
     assert r[(f"vllm@127.0.0.1:{pre.port}", "prefill")] == 1, r
     assert r[(f"vllm@127.0.0.1:{dec.port}", "decode")] == 1, r
-    stats = json.loads(dec.connector_stats.read_text())
     # the decode server loaded the prompt's whole 32-token blocks (999 tokens usable: 992)
-    assert stats["loaded_blocks"] >= 62 and stats["token_mismatches"] == 0, stats
-    # the same greedy answer as the prefill server's own, on the KV it computed
-    body = {"model": str(c.model), "prompt": prompt, "max_tokens": 12, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
-    direct = httpx.post(f"{pre.url}/v1/completions", json=body, timeout=300).json()
-    assert text == direct["choices"][0]["text"]
+    assert loaded_blocks(dec) >= 62
+    assert text == cold(dec, c.model, prompt)
     view = workers(c.url)
     assert view[f"vllm@127.0.0.1:{pre.port}"]["cached_blocks"] >= 62
+
+
+def test_kvpool_prefill_worker_and_vllm_decode_server_mixed(cluster_of):
+    c = cluster_of(["decode"], kvpool_roles=["prefill"])
+    (dec,) = c.servers
+    rng = random.Random(7)
+    prompt = [rng.randrange(100, 40000) for _ in range(1000)]
+    text = complete(c.url, prompt, n=12, stream=True)
+    r = routed(c.url)
+    assert r[("kvpool-prefill-0", "prefill")] == 1, r
+    assert r[(f"vllm@127.0.0.1:{dec.port}", "decode")] == 1, r
+    assert loaded_blocks(dec) >= 62  # kvpool's engine computed them
+    assert text == cold(dec, c.model, prompt)

@@ -20,7 +20,8 @@ computed by a kvpool worker is loadable here, and the reverse.
 request starts a pool lookup on a background thread and answers None ("ask again"); once it
 has the answer, the matched tokens (whole vLLM blocks, at least one prompt token left to
 compute) are loaded asynchronously: the request waits in ``WAITING_FOR_REMOTE_KVS`` while
-others run. ``build_connector_meta`` names each step's loads and the prompt blocks that
+others run. A request with a ``cache_salt`` or a LoRA adapter is never loaded nor saved (its
+KV is not the plain prompt's, and a salt asks for isolation). ``build_connector_meta`` names each step's loads and the prompt blocks that
 became full (saves).
 
 **Worker side** (vLLM's worker): the connector core is kvpool's engine connector
@@ -149,6 +150,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         if st is None:
             tokens = list(request.prompt_token_ids or [])
             st = _Req(tokens, block_hashes(tokens, self._kv_block, self._seed))
+            if getattr(request, "cache_salt", None) or getattr(request, "lora_request", None):
+                st.present, st.handled = 0, len(st.hashes)  # isolated: never loaded nor saved
             self._reqs[request.request_id] = st
         return st
 
