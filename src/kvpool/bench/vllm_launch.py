@@ -86,7 +86,7 @@ class Proc:
         """The ``{"ready": true, ...}`` line it printed."""
         for line in self.log.read_text(errors="replace").splitlines():
             if '"ready": true' in line:
-                return json.loads(line[line.index("{"):])
+                return json.loads(line[line.index("{") :])
         raise RuntimeError(f"no ready line in {self.log}")
 
     def stop(self, grace: float = 30.0) -> None:
@@ -129,7 +129,7 @@ class VllmServer:
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
                "--enforce-eager", "--block-size", "32", "--max-model-len",
                str(self.max_model_len), "--enable-prefix-caching",
-               "--uvicorn-log-level", "warning"]  # fmt: skip
+               "--enable-prompt-tokens-details", "--uvicorn-log-level", "warning"]  # fmt: skip
         if self.master:
             extra = {"master": self.master}
             if self.connector_stats:

@@ -7,9 +7,12 @@
 
 Extra config: ``master`` (``HOST:PORT`` or ``etcd://...``, required), ``token`` (default: the
 environment's ``KVPOOL_AUTH_TOKEN``), ``kv_block`` (tokens per pool object, 16: kvpool's
-engine default; must divide vLLM's block size), ``staging_blocks`` (256), ``transport``
-(``auto``), ``timeout`` (seconds per pool call, 10), ``stats_file`` (the worker writes its
-counters there as JSON after each step that moved blocks).
+engine default; must divide vLLM's block size), ``partial_blocks`` (true, the default: a load
+may end inside a vLLM block, at any pool object, and a prompt found whole is loaded whole;
+false: whole vLLM blocks only, one prompt token left, as vLLM's ExampleConnector loads),
+``staging_blocks`` (256), ``transport`` (``auto``), ``timeout`` (seconds per pool call, 10),
+``stats_file`` (the worker writes its counters there as JSON after each step that moved
+blocks).
 
 Pool objects are kvpool's own (``protocol/kv_object.py``): key from the chain hash of the
 prompt in kvpool's namespace (model fingerprint, dtype, block size, layers, heads), a header
@@ -18,10 +21,10 @@ computed by a kvpool worker is loadable here, and the reverse.
 
 **Scheduler side** (vLLM's scheduler process): the first ``get_num_new_matched_tokens`` of a
 request starts a pool lookup on a background thread and answers None ("ask again"); once it
-has the answer, the matched tokens (whole vLLM blocks, at least one prompt token left to
-compute) are loaded asynchronously: the request waits in ``WAITING_FOR_REMOTE_KVS`` while
-others run. A request with a ``cache_salt`` or a LoRA adapter is never loaded nor saved (its
-KV is not the plain prompt's, and a salt asks for isolation). ``build_connector_meta`` names each step's loads and the prompt blocks that
+has the answer, the matched tokens are loaded asynchronously: the request waits in
+``WAITING_FOR_REMOTE_KVS`` while others run. A request with a ``cache_salt`` or a LoRA
+adapter is never loaded nor saved (its KV is not the plain prompt's, and a salt asks for
+isolation). ``build_connector_meta`` names each step's loads and the prompt blocks that
 became full (saves).
 
 **Worker side** (vLLM's worker): the connector core is kvpool's engine connector
@@ -125,6 +128,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._extra = _settings(vllm_config)
         self._kv_block = int(self._extra.get("kv_block", 16))
+        self._partial = bool(self._extra.get("partial_blocks", True))
         self.namespace, self.layout = pool_namespace(vllm_config, self._kv_block)
         self._seed = namespace_seed(self.namespace)
         self._client = _client(self._extra, compute_process=role == KVConnectorRole.WORKER)
@@ -175,7 +179,10 @@ class KVPoolConnector(KVConnectorBase_V1):
                 st.present = 0
             st.handled = max(st.handled, st.present)  # never saved again
         vb = self.layout.vllm_block
-        usable = min(st.present * self._kv_block, len(st.tokens) - 1) // vb * vb
+        if self._partial:  # whole pool objects (a full hit: vLLM recomputes the last token)
+            usable = min(st.present * self._kv_block, len(st.tokens))
+        else:  # ExampleConnector's rule: whole vLLM blocks, one prompt token left to compute
+            usable = min(st.present * self._kv_block, len(st.tokens) - 1) // vb * vb
         n = usable - num_computed_tokens
         return (n, True) if n > 0 else (0, False)
 

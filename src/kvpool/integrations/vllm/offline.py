@@ -38,6 +38,9 @@ def main() -> None:
     ap.add_argument("--master", default=None, help="kvpool store master: use the pool")
     ap.add_argument("--example-storage", default=None,
                     help="use vLLM's own ExampleConnector (KV files in this folder) instead")  # fmt: skip
+    ap.add_argument("--whole-vllm-blocks", action="store_true",
+                    help="load whole vLLM blocks only, one prompt token left (partial_blocks "
+                         "false: ExampleConnector's rule)")  # fmt: skip
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=4096)
@@ -51,7 +54,8 @@ def main() -> None:
         from vllm.config import KVTransferConfig
 
         if args.master:
-            extra = {"master": args.master, "stats_file": args.out + ".stats"}
+            extra = {"master": args.master, "stats_file": args.out + ".stats",
+                     "partial_blocks": not args.whole_vllm_blocks}  # fmt: skip
             kw["kv_transfer_config"] = KVTransferConfig(
                 kv_connector="KVPoolConnector", kv_connector_module_path="kvpool.integrations.vllm",
                 kv_role="kv_both", kv_connector_extra_config=extra)  # fmt: skip
