@@ -12,8 +12,10 @@ default connector, which loads whole pool objects and so a prompt found whole (v
 recomputes only its last token), and a second prompt that shares only the first 1,920 tokens
 (a prefix hit, which the ExampleConnector, keyed by the whole prompt, cannot serve). The pool is one
 ``kvpool store master`` + ``kvpool store node`` on this host; the load's share of TTFT comes
-from the connector's counters. Mooncake's vLLM connector needs the Mooncake wheel inside
-vLLM's venv, which this benchmark does not install: it is reported as not run.
+from the connector's counters. vLLM's Mooncake store connector (``MooncakeStoreConnector``)
+runs the same two processes on a local ``mooncake_master`` (TCP, P2P hand-shake), set up by
+``peers/mooncake_vllm_peer.py`` (the Mooncake wheel in vLLM's venv, a CPU shim for one
+``torch.cuda.Event``); where it cannot be set up it is reported as not run, with the reason.
 
     .venv/bin/python benchmarks/bench_vllm_connector.py --quick
     .venv/bin/python benchmarks/bench_vllm_connector.py --json docs/results/bench_vllm_connector.json
@@ -39,6 +41,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE / "peers")]
+import mooncake_vllm_peer  # noqa: E402
 from common import CACHE, KvpoolProcs, Results, log  # noqa: E402
 from vllm_peer import _python as vllm_python  # noqa: E402
 from vllm_peer import ensure_kvpool, ensure_model, ensure_vllm  # noqa: E402
@@ -47,7 +50,8 @@ LOGS = CACHE / "vllm-connector-logs"
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
 
 
-def vllm_run(model: Path, name: str, prompts: list[list[int]], extra: list[str], tmp: Path) -> dict:
+def vllm_run(model: Path, name: str, prompts: list[list[int]], extra: list[str], tmp: Path,
+             env: dict | None = None) -> dict:  # fmt: skip
     (tmp / f"{name}.prompts.json").write_text(json.dumps(prompts))
     out = tmp / f"{name}.json"
     cmd = [str(vllm_python()), "-m", "kvpool.integrations.vllm.offline", "--model", str(model),
@@ -55,7 +59,8 @@ def vllm_run(model: Path, name: str, prompts: list[list[int]], extra: list[str],
     t0 = time.monotonic()
     with (LOGS / f"{name}.log").open("w") as f:
         code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=1200, check=False,
-                              env={**ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": ""}).returncode  # fmt: skip
+                              env={**ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": "",
+                                   **(env or {})}).returncode  # fmt: skip
     if code != 0:
         raise RuntimeError(f"vLLM run {name} failed ({code}); see {LOGS / (name + '.log')}")
     result = json.loads(out.read_text())
@@ -73,6 +78,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--shared-tokens", type=int, default=1920)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-mooncake", action="store_true", help="skip vLLM's Mooncake connector")
     args = ap.parse_args()
     rounds = args.rounds or (1 if args.quick else 3)
     res = Results("bench_vllm_connector", vars(args).copy())
@@ -88,6 +94,15 @@ def main() -> None:
     ttft: dict[str, list[float]] = {"cold": [], "kvpool": [], "example": [], "kvpool_prefix": [],
                                     "kvpool_whole": []}  # fmt: skip
     load_share: list[float] = []
+    mooncake, mooncake_why = None, "skipped (--no-mooncake)"
+    if not args.no_mooncake:
+        try:
+            mooncake_vllm_peer.ensure()
+            mooncake = mooncake_vllm_peer.MooncakeMaster(LOGS)
+            ttft["mooncake"] = []
+        except RuntimeError as exc:
+            mooncake_why = f"not run: {exc}"
+            log(f"vLLM's Mooncake connector {mooncake_why}")
     try:
         master = procs.start("master", "store", "master", "--port", "0")["address"]
         master = master.replace("tcp://", "")
@@ -97,7 +112,7 @@ def main() -> None:
             # each round its own prompt (nothing carried over between rounds)
             p = [rng.randrange(100, 40000) for _ in range(4)] + prompt[4:]
             q = p[: args.shared_tokens] + [rng.randrange(100, 40000) for _ in range(tail)]
-            order = ["cold", "kvpool", "example"]
+            order = ["cold", "kvpool", "example", *(["mooncake"] if mooncake else [])]
             for kind in order if r % 2 == 0 else order[::-1]:
                 if kind == "cold":
                     ttft["cold"].append(
@@ -116,6 +131,19 @@ def main() -> None:
                     # two generate calls per prompt, two prompts: about 4 loads of a prefix
                     if loads.get("load_seconds"):
                         load_share.append(loads["load_seconds"] / 4 / b["results"][0]["ttft_s"])
+                elif kind == "mooncake":
+                    try:
+                        for step in ("a", "b"):
+                            m = vllm_run(model, f"r{r}-mooncake-{step}", [p], ["--mooncake"],
+                                         tmp, mooncake.env())  # fmt: skip
+                    except RuntimeError as exc:  # a peer never breaks the benchmark
+                        mooncake_why = f"failed: {exc}"
+                        log(f"vLLM's Mooncake connector {mooncake_why}")
+                        ttft.pop("mooncake", None)
+                        mooncake.close()
+                        mooncake = None
+                        continue
+                    ttft["mooncake"].append(m["results"][0]["ttft_s"])
                 else:
                     store = tmp / f"r{r}-example-kv"
                     store.mkdir()
@@ -127,6 +155,8 @@ def main() -> None:
                     shutil.rmtree(store, ignore_errors=True)
     finally:
         procs.close()
+        if mooncake is not None:
+            mooncake.close()
         shutil.rmtree(tmp, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in ttft.items()}
     for k, v in med.items():
@@ -140,8 +170,14 @@ def main() -> None:
     res.ratio("whole_ttft_hit_vs_cold", med["kvpool_whole"], med["cold"], higher_is_better=False)
     res.ratio("whole_ttft_vs_example_connector", med["kvpool_whole"], med["example"],
               higher_is_better=False)  # fmt: skip
+    if "mooncake" in med:
+        res.ratio("ttft_vs_mooncake_connector", med["kvpool"], med["mooncake"],
+                  higher_is_better=False)  # fmt: skip
+        res.ratio("mooncake_ttft_hit_vs_cold", med["mooncake"], med["cold"],
+                  higher_is_better=False)  # fmt: skip
+        mooncake_why = f"run: {mooncake_vllm_peer.mtp.MOONCAKE_SPEC} in vLLM's venv"
     res.args.update(vllm=info.get("vllm_version"), rounds=rounds,
-                    mooncake_connector="not run: needs the Mooncake wheel in vLLM's venv")  # fmt: skip
+                    mooncake_connector=mooncake_why)  # fmt: skip
     res.dump(args.json)
 
 

@@ -36,6 +36,39 @@ def test_gather_follows_the_map_and_scatter_inverts_it(transposed):
     assert all(not b[[0, 2, 4, 5, 6, 8, 9]].any() for b in fresh)  # other blocks untouched
 
 
+@pytest.mark.parametrize("form", ["transposed", "plain", "other"])
+@pytest.mark.parametrize("case", [
+    ([5, 5, 2, 2, 9], [0, 1, 0, 1, 1], [4, 1, 0, 3, 2]),  # whole blocks, out of order
+    ([2, 2, 3, 3], [0, 1, 0, 1], [0, 1, 2, 3]),  # consecutive blocks and rows: plain slices
+    ([6, 6, 6, 7], [1, 0, 1, 0], [3, 2, 0, 1]),  # a sub-block twice (the last one wins)
+])  # fmt: skip
+def test_whole_block_copies_equal_the_element_map(form, case):
+    """Whole vLLM blocks take strided copies (head-major maps); the result is the one the
+    element-by-element map gives, and any other map (here a random permutation) still works."""
+    vblocks, subs, rows = case
+    g = torch.Generator().manual_seed(3)
+    if form == "other":
+        perm = torch.randperm(LAYOUT.block_elems, generator=g)
+        half = LAYOUT.block_elems // 2
+        bmap = BlockMap(perm[:half].view(32, 2, 4).clone(), perm[half:].view(32, 2, 4).clone())
+    else:
+        bmap = head_major_map(LAYOUT, form == "transposed")
+    layers = [torch.randn(10, 2, 32, 8, generator=g) for _ in range(3)]
+    out = torch.zeros((6, *LAYOUT.block_shape()))
+    gather(LAYOUT, bmap, layers, vblocks, subs, out, rows)
+    lin = torch.stack([bmap.keys.view(2, 16, 2, 4), bmap.values.view(2, 16, 2, 4)], dim=1)
+    for v, sb, r in zip(vblocks, subs, rows, strict=True):
+        for i, t in enumerate(layers):  # the map, element by element
+            assert torch.equal(out[r, i], t[v].reshape(-1)[lin[sb]])
+    fresh = [torch.zeros_like(t) for t in layers]
+    scatter(LAYOUT, bmap, out, rows, fresh, vblocks, subs)
+    for v, sb, r in zip(vblocks, subs, rows, strict=True):
+        for i, t in enumerate(fresh):
+            assert torch.equal(t[v].reshape(-1)[lin[sb]], out[r, i])
+    touched = set(vblocks)
+    assert all(not t[[b for b in range(10) if b not in touched]].any() for t in fresh)
+
+
 def test_bad_layouts_are_refused():
     with pytest.raises(ValueError, match="cannot be cut"):
         VllmLayout(3, 2, 4, vllm_block=32, kv_block=24)

@@ -170,6 +170,13 @@ def gather(layout: VllmLayout, bmap: BlockMap, layers: list[torch.Tensor], vbloc
            subs: list[int], out: torch.Tensor, rows: list[int]) -> None:  # fmt: skip
     """Copy kvpool blocks ``(vblocks[i], subs[i])`` of vLLM's ``layers`` into ``out[rows[i]]``
     (``out``: ``[slots, *layout.block_shape()]``, e.g. a staging tensor bound to the pool)."""
+    whole, rest = _whole_blocks(layout, bmap, vblocks, subs)
+    if whole:
+        _copy_whole(layout, bmap, layers, out, [vblocks[b[0]] for b in whole],
+                    [rows[i] for b in whole for i in b], to_vllm=False)  # fmt: skip
+    if not rest:
+        return
+    vblocks, subs, rows = ([x[i] for i in rest] for x in (vblocks, subs, rows))
     lin = _linear(layout, bmap, vblocks, subs)
     shape = (len(rows), *layout.block_shape()[1:])
     run = _run(rows)
@@ -192,9 +199,88 @@ def _run(rows: list[int]) -> slice | None:
 def scatter(layout: VllmLayout, bmap: BlockMap, src: torch.Tensor, rows: list[int],
             layers: list[torch.Tensor], vblocks: list[int], subs: list[int]) -> None:  # fmt: skip
     """The inverse of ``gather``: ``src[rows[i]]`` into kvpool block ``(vblocks[i], subs[i])``."""
+    whole, rest = _whole_blocks(layout, bmap, vblocks, subs)
+    if whole:
+        _copy_whole(layout, bmap, layers, src, [vblocks[b[0]] for b in whole],
+                    [rows[i] for b in whole for i in b], to_vllm=True)  # fmt: skip
+    if not rest:
+        return
+    vblocks, subs, rows = ([x[i] for i in rest] for x in (vblocks, subs, rows))
     lin = _linear(layout, bmap, vblocks, subs)
     run = _run(rows)
     at = None if run is not None else torch.as_tensor(rows, dtype=torch.long)
     for i, t in enumerate(layers):
         part = src[run, i] if run is not None else src[at, i]
         t.view(-1)[lin] = part.reshape(-1).to(t.dtype)
+
+
+def _form(layout: VllmLayout, bmap: BlockMap) -> bool | None:
+    """Whether ``bmap`` is a head-major map (True: keys transposed, False: not), which whole
+    blocks are copied with strided views instead of element indices; None: another map."""
+    for transposed in (True, False):
+        ref = head_major_map(layout, transposed)
+        if torch.equal(ref.keys, bmap.keys) and torch.equal(ref.values, bmap.values):
+            return transposed
+    return None
+
+
+def _whole_blocks(layout: VllmLayout, bmap: BlockMap, vblocks: list[int],
+                  subs: list[int]) -> tuple[list[list[int]], list[int]]:  # fmt: skip
+    """The items that make up whole vLLM blocks (per block, its items by sub-block) and the
+    others (indices), when the map has a head-major form; else everything is the others."""
+    if _form(layout, bmap) is None:
+        return [], list(range(len(vblocks)))
+    by: dict[int, dict[int, int]] = {}
+    items: dict[int, list[int]] = {}
+    for i, (v, s) in enumerate(zip(vblocks, subs, strict=True)):
+        by.setdefault(v, {})[s] = i
+        items.setdefault(v, []).append(i)
+    whole, rest = [], []
+    for v, got in by.items():
+        if len(got) == layout.subs == len(items[v]):  # each sub-block once
+            whole.append([got[s] for s in range(layout.subs)])
+        else:
+            rest.extend(items[v])
+    return whole, sorted(rest)
+
+
+def _copy_whole(layout: VllmLayout, bmap: BlockMap, layers: list[torch.Tensor],
+                pool: torch.Tensor, vblocks: list[int], rows: list[int], to_vllm: bool) -> None:  # fmt: skip
+    """Whole vLLM blocks ``vblocks`` <-> pool rows ``rows`` (``subs`` rows per block, in sub
+    order) for a head-major map: per layer, two strided copies (keys, values), no indices."""
+    transposed = _form(layout, bmap)
+    nb, S, kb = len(vblocks), layout.subs, layout.kv_block
+    H, D, n = layout.kv_heads, layout.head_dim, layout.vllm_block
+    # the pool side [nb, subs, 2, kb, H, D] -> keys/values [nb, subs, kb, H, D]; the vLLM side
+    # per block and head [2, n * D]: keys [D, subs, kb] (transposed) or [subs, kb, D], values
+    # [subs, kb, D]; ``perm`` maps the pool order onto the vLLM one
+    kperm = (0, 3, 4, 1, 2) if transposed else (0, 3, 1, 2, 4)
+    vperm = (0, 3, 1, 2, 4)
+    run_r, run_b = _run(rows), _run(vblocks)
+    at_r = None if run_r is not None else torch.as_tensor(rows, dtype=torch.long)
+    at_b = None if run_b is not None else torch.as_tensor(vblocks, dtype=torch.long)
+    for i, t in enumerate(layers):
+        per = t.view(t.shape[0], H, 2, n * D)
+        kview = per[:, :, 0].view(-1, H, D, S, kb) if transposed else \
+            per[:, :, 0].view(-1, H, S, kb, D)  # fmt: skip
+        vview = per[:, :, 1].view(-1, H, S, kb, D)
+        if to_vllm:
+            x = (pool[run_r, i] if run_r is not None else pool[at_r, i]).view(nb, S, 2, kb, H, D)
+            xk, xv = x[:, :, 0].permute(kperm), x[:, :, 1].permute(vperm)
+            if run_b is not None:
+                kview[run_b].copy_(xk)
+                vview[run_b].copy_(xv)
+            else:
+                kview.index_copy_(0, at_b, xk.to(t.dtype))
+                vview.index_copy_(0, at_b, xv.to(t.dtype))
+        else:
+            k = kview[run_b] if run_b is not None else kview[at_b]
+            v = vview[run_b] if run_b is not None else vview[at_b]
+            if run_r is not None:
+                y = pool[run_r, i].view(nb, S, 2, kb, H, D)
+            else:
+                y = torch.empty((nb, S, 2, kb, H, D), dtype=pool.dtype)
+            y[:, :, 0].permute(kperm).copy_(k)
+            y[:, :, 1].permute(vperm).copy_(v)
+            if run_r is None:
+                pool[at_r, i] = y.view(nb * S, 2, kb, H, D)

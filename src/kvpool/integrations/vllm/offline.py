@@ -38,6 +38,9 @@ def main() -> None:
     ap.add_argument("--master", default=None, help="kvpool store master: use the pool")
     ap.add_argument("--example-storage", default=None,
                     help="use vLLM's own ExampleConnector (KV files in this folder) instead")  # fmt: skip
+    ap.add_argument("--mooncake", action="store_true",
+                    help="use vLLM's MooncakeStoreConnector instead (its client config in "
+                         "$MOONCAKE_CONFIG_PATH)")  # fmt: skip
     ap.add_argument("--whole-vllm-blocks", action="store_true",
                     help="load whole vLLM blocks only, one prompt token left (partial_blocks "
                          "false: ExampleConnector's rule)")  # fmt: skip
@@ -50,7 +53,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     kw: dict = {}
-    if args.master or args.example_storage:
+    if args.master or args.example_storage or args.mooncake:
         from vllm.config import KVTransferConfig
 
         if args.master:
@@ -59,6 +62,10 @@ def main() -> None:
             kw["kv_transfer_config"] = KVTransferConfig(
                 kv_connector="KVPoolConnector", kv_connector_module_path="kvpool.integrations.vllm",
                 kv_role="kv_both", kv_connector_extra_config=extra)  # fmt: skip
+        elif args.mooncake:
+            kw["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="MooncakeStoreConnector", kv_role="kv_both",
+                kv_connector_extra_config={"load_async": True})  # fmt: skip
         else:
             kw["kv_transfer_config"] = KVTransferConfig(
                 kv_connector="ExampleConnector", kv_role="kv_both",
@@ -70,8 +77,9 @@ def main() -> None:
               max_model_len=args.max_model_len, enforce_eager=True,
               enable_prefix_caching=False, **kw)  # fmt: skip
     how = args.master or (
-        f"ExampleConnector {args.example_storage}" if args.example_storage else "none"
-    )
+        f"ExampleConnector {args.example_storage}" if args.example_storage else
+        "MooncakeStoreConnector" if args.mooncake else "none"
+    )  # fmt: skip
     say(f"vLLM loaded in {time.monotonic() - t0:.1f} s (pool: {how})")
 
     def params(n: int) -> SamplingParams:
