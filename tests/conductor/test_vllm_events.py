@@ -178,5 +178,5 @@ def test_folder_namespace_matches_the_engines_and_refuses_what_it_cannot_read(tm
     assert block_bytes == 2 * 30 * 16 * 3 * 64 * 4
     with pytest.raises(ValueError, match="dtype"):
         folder_namespace(tmp_path, "int4")
-    with pytest.raises(ValueError, match="config.json"):
+    with pytest.raises(ValueError, match=r"config\.json"):
         folder_namespace(tmp_path / "missing", "float32")
