@@ -11,11 +11,13 @@ the cores are shared out: one server gets them all, N servers get one each (roun
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +25,7 @@ import httpx
 
 from kvpool.bench.launch import MEASURE_FLAGS, free_port
 
+logger = logging.getLogger(__name__)
 VLLM_PRESETS: dict[str, dict] = {  # compiled graphs, as `vllm serve` runs by default
     "vllm": {"servers": 1, "pool": False},  # vllm serve alone: its own prefix cache
     "vllm-pool": {"servers": 2, "pool": True},  # two servers, one pool, the conductor
@@ -249,9 +252,10 @@ class VllmCluster:
             p.stop()
 
 
-def starters(names: list[str], python: str | None, model: str | None, out: Path) -> dict:
+def starters(names: list[str], python: str | None, model: str | None, out: Path,
+             announce: Callable[[str], None] = logger.info) -> dict:  # fmt: skip
     """``kvpool bench compare`` starters for the vLLM presets in ``names`` (name -> a function
-    returning ``(url, stop)``)."""
+    returning ``(url, stop)``; ``announce``: told when each starts)."""
     python = python or os.environ.get("KVPOOL_VLLM_PYTHON")
     if not python:
         raise ValueError("the vLLM presets need --vllm-python (or $KVPOOL_VLLM_PYTHON): the "
@@ -266,8 +270,7 @@ def starters(names: list[str], python: str | None, model: str | None, out: Path)
 
         def start(name=name, preset=preset):
             run_dir = out / "logs" / name
-            print(f"kvpool bench: starting {name} ({preset['servers']} vLLM server(s))",
-                  flush=True)  # fmt: skip
+            announce(f"kvpool bench: starting {name} ({preset['servers']} vLLM server(s))")
             if not preset["pool"]:
                 server = VllmServer(python, model, run_dir, name, eager=False).start()
                 return server.url, server.stop

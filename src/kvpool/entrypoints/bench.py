@@ -178,7 +178,8 @@ def run_compare(args: argparse.Namespace, starters: dict | None = None) -> int:
 
         try:
             starters = {**vllm_starters(vllm, getattr(args, "vllm_python", None),
-                                        getattr(args, "vllm_model", None), Path(args.out)),
+                                        getattr(args, "vllm_model", None), Path(args.out),
+                                        lambda m: print(m, flush=True)),
                         **(starters or {})}  # fmt: skip
         except ValueError as exc:
             print(f"kvpool bench: {exc}", file=sys.stderr)
