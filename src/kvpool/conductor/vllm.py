@@ -83,7 +83,7 @@ def folder_namespace(folder: str | Path, dtype: str, kv_block: int = 16) -> tupl
     Face folder, e.g. from ``kvpool export-hf``) at ``dtype`` -- the same string its
     ``pool_namespace`` builds from vLLM's config, so the conductor finds the same objects --
     and the bytes of one pool block."""
-    from kvpool.model.loader import folder_fingerprint
+    from kvpool.model.loader import folder_fingerprint, kv_dims
 
     path = Path(folder)
     try:
@@ -96,14 +96,6 @@ def folder_namespace(folder: str | Path, dtype: str, kv_block: int = 16) -> tupl
     ns = kv_namespace(folder_fingerprint(str(path)), dtype=dtype, block_size=kv_block,
                       num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim)  # fmt: skip
     return ns, 2 * layers * kv_block * kv_heads * head_dim * _DTYPE_BYTES[dtype]
-
-
-def kv_dims(get) -> tuple[int, int, int]:
-    """(layers, KV heads, head dim) of a Hugging Face config (``get(name)``: None if absent)."""
-    heads = int(get("num_attention_heads"))
-    kv_heads = int(get("num_key_value_heads") or heads)
-    head_dim = int(get("head_dim") or int(get("hidden_size")) // heads)
-    return int(get("num_hidden_layers")), kv_heads, head_dim
 
 
 class KVEventsView:

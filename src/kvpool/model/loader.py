@@ -132,6 +132,14 @@ def _folder_fingerprint(folder: Path, name: str) -> str:
     return f"{_slug(name)}-{digest.hexdigest()[:16]}"
 
 
+def kv_dims(get) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a Hugging Face config (``get(name)``: None if absent)."""
+    heads = int(get("num_attention_heads"))
+    kv_heads = int(get("num_key_value_heads") or heads)
+    head_dim = int(get("head_dim") or int(get("hidden_size")) // heads)
+    return int(get("num_hidden_layers")), kv_heads, head_dim
+
+
 def folder_fingerprint(folder: str | Path) -> str:
     """The model fingerprint of a Hugging Face folder, as every kvpool engine computes it (the
     one ``export-hf`` recorded, else a digest of config.json and the weight files): the same

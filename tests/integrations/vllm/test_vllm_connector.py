@@ -42,7 +42,8 @@ def pool():
     master.stop()
 
 
-def run_vllm(env, tmp: Path, name: str, prompts: list[list[int]], master: str | None) -> dict:
+def run_vllm(env, tmp: Path, name: str, prompts: list[list[int]], master: str | None,
+             *flags: str) -> dict:  # fmt: skip
     """One vLLM process over ``prompts`` (``kvpool.integrations.vllm.offline``): its results,
     and with a pool its connector's counters under "stats"."""
     python, model = env
@@ -52,6 +53,7 @@ def run_vllm(env, tmp: Path, name: str, prompts: list[list[int]], master: str | 
            "--prompts", str(tmp / f"{name}.prompts.json"), "--out", str(out)]  # fmt: skip
     if master:
         cmd += ["--master", master]
+    cmd += flags
     log = tmp / f"{name}.log"
     env_vars = {**ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": ""}
     with log.open("w") as f:
@@ -117,3 +119,27 @@ def test_vllm_instances_and_kvpool_share_prefixes(vllm_env, pool, tmp_path):
     assert stats.token_mismatches == 0
     own_cold, _ = kvpool_engine(None, [py])
     assert warm == own_cold
+
+
+def test_bfloat16_vllm_shares_float32_objects(vllm_env, pool, tmp_path):
+    """A bfloat16 vLLM with ``pool_dtype`` float32 writes and reads the float32 objects
+    kvpool's (float32) engine uses. Its saves widen exactly, so a second bfloat16 instance
+    that loads the first 480 tokens (whole vLLM blocks) answers as a cold bfloat16 run, and
+    kvpool's float32 engine loads the same blocks.
+
+    In bfloat16 the split of the prompt matters (measured on this prompt, 2026-12-02): loading
+    496 tokens (``partial_blocks``) and computing 4 flipped the second greedy token against
+    cold, and vLLM's own prefix cache (480 cached, 20 computed) flipped the third; float32
+    gives the same tokens for all three."""
+    rng = random.Random(12)
+    prompt = [rng.randrange(100, 40000) for _ in range(500)]
+    bf16 = ("--dtype", "bfloat16", "--pool-dtype", "float32", "--whole-vllm-blocks")
+    run_vllm(vllm_env, tmp_path, "bf16-a", [prompt], pool, *bf16)
+    time.sleep(1.0)  # A's last saves are written by a background thread
+    b = run_vllm(vllm_env, tmp_path, "bf16-b", [prompt], pool, *bf16)
+    cold = run_vllm(vllm_env, tmp_path, "bf16-cold", [prompt], None, "--dtype", "bfloat16")
+    assert b["stats"]["loaded_blocks"] >= 2 * 30, b["stats"]  # 480 tokens, twice
+    assert b["stats"]["token_mismatches"] == 0
+    assert b["results"][0]["tokens"] == cold["results"][0]["tokens"]
+    _, stats = kvpool_engine(pool, [prompt])  # the float32 engine finds them in its namespace
+    assert stats.loaded_blocks >= 31 and stats.token_mismatches == 0, stats

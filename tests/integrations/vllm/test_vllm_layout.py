@@ -116,3 +116,33 @@ def test_vllm_namespace_is_kvpools_and_differs_where_objects_cannot_be_shared(tm
         pool_namespace(_vllm_config(other), 16)[0],
     }
     assert ns not in variants and len(variants) == 4
+    # a bfloat16 vLLM asked to keep float32 objects shares the float32 engines' namespace
+    bf16 = _vllm_config(folder, dtype=torch.bfloat16)
+    assert pool_namespace(bf16, 16, "float32")[0] == ns
+    with pytest.raises(ValueError, match="pool dtype"):
+        pool_namespace(bf16, 16, "int8")
+
+
+@pytest.mark.parametrize("transposed", [True, False, None])
+def test_conversion_between_vllm_bfloat16_and_float32_objects(transposed):
+    """Saves widen bfloat16 exactly; loads of float32 objects round to bfloat16 (the only loss,
+    named here: at most half a bfloat16 unit in the last place, relative 2**-8)."""
+    if transposed is None:
+        perm = torch.randperm(LAYOUT.block_elems, generator=torch.Generator().manual_seed(1))
+        half = LAYOUT.block_elems // 2
+        bmap = BlockMap(perm[:half].view(32, 2, 4).clone(), perm[half:].view(32, 2, 4).clone())
+    else:
+        bmap = head_major_map(LAYOUT, transposed)
+    layers = [torch.randn(6, 2, 32, 8).to(torch.bfloat16) for _ in range(3)]
+    vblocks, subs, rows = [4, 4, 1], [0, 1, 1], [0, 1, 2]
+    out = torch.empty((3, *LAYOUT.block_shape()), dtype=torch.float32)
+    gather(LAYOUT, bmap, layers, vblocks, subs, out, rows)
+    fresh = [torch.zeros_like(t) for t in layers]
+    scatter(LAYOUT, bmap, out, rows, fresh, vblocks, subs)
+    assert all(torch.equal(a[4], b[4]) for a, b in zip(layers, fresh, strict=True))  # exact
+    wide = torch.randn(3, *LAYOUT.block_shape())  # float32 objects from a float32 engine
+    scatter(LAYOUT, bmap, wide, rows, fresh, vblocks, subs)
+    back = torch.empty_like(wide)
+    gather(LAYOUT, bmap, fresh, vblocks, subs, back, rows)
+    assert torch.equal(back, wide.to(torch.bfloat16).to(torch.float32))  # round to nearest
+    assert ((back - wide).abs() <= wide.abs() * 2**-8).all()

@@ -10,6 +10,8 @@ environment's ``KVPOOL_AUTH_TOKEN``), ``kv_block`` (tokens per pool object, 16: 
 engine default; must divide vLLM's block size), ``partial_blocks`` (true, the default: a load
 may end inside a vLLM block, at any pool object, and a prompt found whole is loaded whole;
 false: whole vLLM blocks only, one prompt token left, as vLLM's ExampleConnector loads),
+``pool_dtype`` (the pool objects' dtype, default vLLM's: e.g. ``float32`` lets a bfloat16
+vLLM share prefixes with float32 engines; loads round to vLLM's dtype, saves widen exactly),
 ``staging_blocks`` (256), ``transport`` (``auto``), ``timeout`` (seconds per pool call, 10),
 ``stats_file`` (the worker writes its counters there as JSON after each step that moved
 blocks).
@@ -59,7 +61,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvpool.common.errors import KVPoolError
 from kvpool.common.hashing import block_hashes, leading_true, namespace_seed
 from kvpool.engine.connectors.base import BlockRef
-from kvpool.integrations.vllm.layout import gather, pool_namespace, probe_block_map, scatter
+from kvpool.integrations.vllm.layout import (
+    POOL_DTYPES,
+    gather,
+    pool_namespace,
+    probe_block_map,
+    scatter,
+)
 from kvpool.protocol.kv_object import block_key
 
 logger = logging.getLogger("kvpool.integrations.vllm")
@@ -129,7 +137,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._extra = _settings(vllm_config)
         self._kv_block = int(self._extra.get("kv_block", 16))
         self._partial = bool(self._extra.get("partial_blocks", True))
-        self.namespace, self.layout = pool_namespace(vllm_config, self._kv_block)
+        self._pool_dtype = self._extra.get("pool_dtype")
+        self.namespace, self.layout = pool_namespace(vllm_config, self._kv_block,
+                                                     self._pool_dtype)  # fmt: skip
         self._seed = namespace_seed(self.namespace)
         self._client = _client(self._extra, compute_process=role == KVConnectorRole.WORKER)
         if role == KVConnectorRole.SCHEDULER:
@@ -259,7 +269,8 @@ class KVPoolConnector(KVConnectorBase_V1):
                              "is not supported")  # fmt: skip
         self._map = probe_block_map(self.layout, self._layers[0].dtype, "auto")
         slots = int(self._extra.get("staging_blocks", 256))
-        staging = torch.empty((slots, *self.layout.block_shape()), dtype=self._layers[0].dtype)
+        dtype = POOL_DTYPES[self._pool_dtype] if self._pool_dtype else self._layers[0].dtype
+        staging = torch.empty((slots, *self.layout.block_shape()), dtype=dtype)
         staging.fill_(0)  # touch every page now, not on the first load
         self._store = StoreConnector(self._client, async_load=False, fetch_policy=False,
                                      direct=False)  # fmt: skip

@@ -69,23 +69,28 @@ class VllmLayout:
             )
 
 
-def pool_namespace(vllm_config, kv_block: int) -> tuple[str, VllmLayout]:
+POOL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pool_namespace(vllm_config, kv_block: int,
+                   pool_dtype: str | None = None) -> tuple[str, VllmLayout]:  # fmt: skip
     """The kvpool KV namespace of vLLM's model (the string kvpool's engine builds for the same
     weights, dtype and block size: ``hashing.kv_namespace`` of the folder's fingerprint) and
-    the layout on both sides. Reads only ``model_config`` (model folder, ``hf_config``,
-    dtype) and ``cache_config.block_size`` of ``vllm_config``."""
-    from kvpool.model.loader import folder_fingerprint
+    the layout on both sides. ``pool_dtype``: the dtype of the pool's objects, when it is not
+    vLLM's own (the connector converts on load and save). Reads only ``model_config`` (model
+    folder, ``hf_config``, dtype) and ``cache_config.block_size`` of ``vllm_config``."""
+    from kvpool.model.loader import folder_fingerprint, kv_dims
 
     mc = vllm_config.model_config
     hf = mc.hf_config
-    heads = hf.num_attention_heads
-    kv_heads = getattr(hf, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-    dtype = str(mc.dtype).removeprefix("torch.")
-    layout = VllmLayout(hf.num_hidden_layers, kv_heads, head_dim,
-                        vllm_config.cache_config.block_size, kv_block)  # fmt: skip
+    layers, kv_heads, head_dim = kv_dims(lambda name: getattr(hf, name, None))
+    dtype = pool_dtype or str(mc.dtype).removeprefix("torch.")
+    if dtype not in POOL_DTYPES:
+        raise ValueError(f"pool dtype {dtype!r}: one of {', '.join(POOL_DTYPES)}")
+    layout = VllmLayout(layers, kv_heads, head_dim, vllm_config.cache_config.block_size,
+                        kv_block)  # fmt: skip
     ns = kv_namespace(folder_fingerprint(mc.model), dtype=dtype, block_size=kv_block,
-                      num_layers=layout.num_layers, num_kv_heads=kv_heads, head_dim=head_dim)  # fmt: skip
+                      num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim)  # fmt: skip
     return ns, layout
 
 

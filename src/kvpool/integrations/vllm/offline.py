@@ -44,7 +44,17 @@ def main() -> None:
     ap.add_argument("--whole-vllm-blocks", action="store_true",
                     help="load whole vLLM blocks only, one prompt token left (partial_blocks "
                          "false: ExampleConnector's rule)")  # fmt: skip
+    ap.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="vLLM's own prefix cache on (off by default: reuse comes from the pool)",
+    )
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--pool-dtype",
+        default=None,
+        help="the pool objects' dtype when not vLLM's (the connector converts)",
+    )
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--out", required=True)
@@ -59,6 +69,8 @@ def main() -> None:
         if args.master:
             extra = {"master": args.master, "stats_file": args.out + ".stats",
                      "partial_blocks": not args.whole_vllm_blocks}  # fmt: skip
+            if args.pool_dtype:
+                extra["pool_dtype"] = args.pool_dtype
             kw["kv_transfer_config"] = KVTransferConfig(
                 kv_connector="KVPoolConnector", kv_connector_module_path="kvpool.integrations.vllm",
                 kv_role="kv_both", kv_connector_extra_config=extra)  # fmt: skip
@@ -75,7 +87,7 @@ def main() -> None:
     t0 = time.monotonic()
     llm = LLM(model=args.model, dtype=args.dtype, block_size=args.block_size, seed=0,
               max_model_len=args.max_model_len, enforce_eager=True,
-              enable_prefix_caching=False, **kw)  # fmt: skip
+              enable_prefix_caching=args.prefix_caching, **kw)  # fmt: skip
     how = args.master or (
         f"ExampleConnector {args.example_storage}" if args.example_storage else
         "MooncakeStoreConnector" if args.mooncake else "none"
