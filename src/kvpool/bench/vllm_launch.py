@@ -13,17 +13,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
-from kvpool.bench.launch import MEASURE_FLAGS, free_port
+from kvpool.bench.launch import MEASURE_FLAGS, Proc, free_port
 
 logger = logging.getLogger(__name__)
 VLLM_PRESETS: dict[str, dict] = {  # compiled graphs, as `vllm serve` runs by default
@@ -45,64 +40,6 @@ def vllm_env(run_dir: Path, cpus: str, kv_space_gib: int = 1) -> dict:
                TOKENIZERS_PARALLELISM="false", TMPDIR=str(run_dir / "tmp"),
                VLLM_USE_AOT_COMPILE=os.environ.get("VLLM_USE_AOT_COMPILE", "0"))  # fmt: skip
     return env
-
-
-class Proc:
-    """A process with its log; ``stop()`` sends SIGTERM, then SIGKILL after ``grace``."""
-
-    def __init__(self, cmd: list[str], log: Path, env: dict | None = None) -> None:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self.log, self.cmd = log, cmd
-        with log.open("w") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)  # fmt: skip
-
-    def tail(self, chars: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-chars:]
-
-    def wait_http(self, url: str, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{what} exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(url, timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"{what} not ready after {timeout:.0f}s:\n{self.tail()}")
-
-    def wait_ready(self, timeout: float, what: str) -> None:
-        """Until the process printed its ``{"ready": true, ...}`` line (kvpool store)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if '"ready": true' in self.log.read_text(errors="replace"):
-                return
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{what} exited with {self.proc.returncode}:\n{self.tail()}")
-            time.sleep(0.1)
-        raise RuntimeError(f"{what} not ready after {timeout:.0f}s:\n{self.tail()}")
-
-    def ready_info(self) -> dict:
-        """The ``{"ready": true, ...}`` line it printed."""
-        for line in self.log.read_text(errors="replace").splitlines():
-            if '"ready": true' in line:
-                return json.loads(line[line.index("{") :])
-        raise RuntimeError(f"no ready line in {self.log}")
-
-    def stop(self, grace: float = 30.0) -> None:
-        if self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-        except ProcessLookupError:
-            pass
 
 
 @dataclass

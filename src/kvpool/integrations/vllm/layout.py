@@ -175,13 +175,9 @@ def gather(layout: VllmLayout, bmap: BlockMap, layers: list[torch.Tensor], vbloc
            subs: list[int], out: torch.Tensor, rows: list[int]) -> None:  # fmt: skip
     """Copy kvpool blocks ``(vblocks[i], subs[i])`` of vLLM's ``layers`` into ``out[rows[i]]``
     (``out``: ``[slots, *layout.block_shape()]``, e.g. a staging tensor bound to the pool)."""
-    whole, rest = _whole_blocks(layout, bmap, vblocks, subs)
-    if whole:
-        _copy_whole(layout, bmap, layers, out, [vblocks[b[0]] for b in whole],
-                    [rows[i] for b in whole for i in b], to_vllm=False)  # fmt: skip
-    if not rest:
+    vblocks, subs, rows = _whole_first(layout, bmap, layers, out, vblocks, subs, rows, False)
+    if not rows:
         return
-    vblocks, subs, rows = ([x[i] for i in rest] for x in (vblocks, subs, rows))
     lin = _linear(layout, bmap, vblocks, subs)
     shape = (len(rows), *layout.block_shape()[1:])
     run = _run(rows)
@@ -204,19 +200,27 @@ def _run(rows: list[int]) -> slice | None:
 def scatter(layout: VllmLayout, bmap: BlockMap, src: torch.Tensor, rows: list[int],
             layers: list[torch.Tensor], vblocks: list[int], subs: list[int]) -> None:  # fmt: skip
     """The inverse of ``gather``: ``src[rows[i]]`` into kvpool block ``(vblocks[i], subs[i])``."""
-    whole, rest = _whole_blocks(layout, bmap, vblocks, subs)
-    if whole:
-        _copy_whole(layout, bmap, layers, src, [vblocks[b[0]] for b in whole],
-                    [rows[i] for b in whole for i in b], to_vllm=True)  # fmt: skip
-    if not rest:
+    vblocks, subs, rows = _whole_first(layout, bmap, layers, src, vblocks, subs, rows, True)
+    if not rows:
         return
-    vblocks, subs, rows = ([x[i] for i in rest] for x in (vblocks, subs, rows))
     lin = _linear(layout, bmap, vblocks, subs)
     run = _run(rows)
     at = None if run is not None else torch.as_tensor(rows, dtype=torch.long)
     for i, t in enumerate(layers):
         part = src[run, i] if run is not None else src[at, i]
         t.view(-1)[lin] = part.reshape(-1).to(t.dtype)
+
+
+def _whole_first(layout: VllmLayout, bmap: BlockMap, layers: list[torch.Tensor],
+                 pool: torch.Tensor, vblocks: list[int], subs: list[int], rows: list[int],
+                 to_vllm: bool) -> tuple[list[int], list[int], list[int]]:  # fmt: skip
+    """Copy the items that make whole vLLM blocks (strided views); the others'
+    ``(vblocks, subs, rows)``, for the element map."""
+    whole, rest = _whole_blocks(layout, bmap, vblocks, subs)
+    if whole:
+        _copy_whole(layout, bmap, layers, pool, [vblocks[b[0]] for b in whole],
+                    [rows[i] for b in whole for i in b], to_vllm)  # fmt: skip
+    return [vblocks[i] for i in rest], [subs[i] for i in rest], [rows[i] for i in rest]
 
 
 def _form(layout: VllmLayout, bmap: BlockMap) -> bool | None:
