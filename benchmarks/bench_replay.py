@@ -30,7 +30,7 @@ from common import CACHE, Results, log
 
 from kvpool.bench.launch import free_port
 
-TRACE = Path(__file__).resolve().parents[2] / "shared/traces/conversation_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[1] / "data/traces/conversation_trace.jsonl"
 FULL = ["--limit", "100", "--block-tokens", "16", "--max-input", "384", "--max-output", "24",
         "--time-scale", "5"]  # fmt: skip
 QUICK = ["--limit", "40", "--block-tokens", "16", "--max-input", "384", "--max-output", "16",

@@ -105,3 +105,18 @@ def test_offline_hit_ratio_by_hand(tmp_path):
     reqs = load_trace(path).requests
     assert prefix_hit_ratio_trace(reqs) == pytest.approx(0.25)
     assert prefix_hit_ratio_tokens([r.prompt for r in scale(reqs, ScaleConfig(4))], 4) == 0.25
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_shipped_trace_is_whole_and_no_doc_points_outside_the_repository():
+    """``data/traces/`` holds the full conversation trace the README's examples replay (a
+    fresh clone has no ``../shared``)."""
+    report = load_trace(ROOT / "data/traces/conversation_trace.jsonl", strict=True)
+    reqs = report.requests
+    assert len(reqs) == 12031 and not report.errors
+    assert all(len(r.hash_ids) == -(-r.input_length // 512) for r in reqs)
+    assert all(r.hash_ids[0] == reqs[0].hash_ids[0] for r in reqs)  # the common first block
+    for doc in ("README.md", "docs/operations.md", "docs/benchmarks.md"):
+        assert "shared/traces" not in (ROOT / doc).read_text(), doc
