@@ -99,14 +99,17 @@ def folder_namespace(folder: str | Path, dtype: str, kv_block: int = 16) -> tupl
 
 
 class KVEventsView:
-    """One vLLM instance's cached blocks, as kvpool chain hashes (``cached``: a frozenset,
-    replaced, never changed, after each batch)."""
+    """One vLLM instance's cached blocks, as kvpool chain hashes. Batches are applied on the
+    subscriber's thread; ``cached`` (a frozenset, never changed) is rebuilt only when read
+    after a change, so a server publishing every step costs one set per poll, not per step."""
 
     def __init__(self, seed: bytes, kv_block: int = 16) -> None:
         self.seed, self.kv_block = seed, kv_block
         self._subs: dict[bytes | int, tuple[bytes, ...]] = {}  # vLLM hash -> its kvpool hashes
         self._count: dict[bytes, int] = {}  # kvpool hash -> vLLM blocks holding it
-        self.cached: frozenset[bytes] = frozenset()
+        self._cached: frozenset[bytes] = frozenset()
+        self._stale = False
+        self._lock = threading.Lock()  # the subscriber writes, the poller reads
         self.last_seq = -1
         self.gaps = 0  # batches known to be missed
         self.ignored = 0  # stored blocks not comparable (salted, unknown parent, odd sizes)
@@ -123,11 +126,19 @@ class KVEventsView:
         except (ValueError, TypeError, KeyError, IndexError, msgpack.UnpackException) as exc:
             logger.warning("ignoring a malformed vLLM KV event batch (seq %d): %s", seq, exc)
             return True
-        for event in events if isinstance(events, list) else ():
-            if isinstance(event, dict):
-                self._apply(event)
-        self.cached = frozenset(self._count)
+        with self._lock:
+            for event in events if isinstance(events, list) else ():
+                if isinstance(event, dict):
+                    self._apply(event)
+            self._stale = True
         return True
+
+    @property
+    def cached(self) -> frozenset[bytes]:
+        with self._lock:
+            if self._stale:
+                self._cached, self._stale = frozenset(self._count), False
+            return self._cached
 
     def _apply(self, e: dict) -> None:
         kind = e.get("type")

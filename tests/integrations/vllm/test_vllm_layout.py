@@ -53,6 +53,7 @@ def test_whole_block_copies_equal_the_element_map(form, case):
         bmap = BlockMap(perm[:half].view(32, 2, 4).clone(), perm[half:].view(32, 2, 4).clone())
     else:
         bmap = head_major_map(LAYOUT, form == "transposed")
+    assert bmap.head_major == {"transposed": True, "plain": False, "other": None}[form]
     layers = [torch.randn(10, 2, 32, 8, generator=g) for _ in range(3)]
     out = torch.zeros((6, *LAYOUT.block_shape()))
     gather(LAYOUT, bmap, layers, vblocks, subs, out, rows)

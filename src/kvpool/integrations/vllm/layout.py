@@ -22,6 +22,7 @@ without vLLM.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -102,6 +103,18 @@ class BlockMap:
     keys: torch.Tensor
     values: torch.Tensor
 
+    @cached_property
+    def head_major(self) -> bool | None:
+        """Whether this is a head-major map (True: keys transposed, False: not), whose whole
+        blocks are copied with strided views instead of element indices; None: another map
+        (found once per map)."""
+        n, h, d = self.keys.shape
+        for transposed in (True, False):
+            keys, values = _head_major(n, h, d, transposed)
+            if torch.equal(keys, self.keys) and torch.equal(values, self.values):
+                return transposed
+        return None
+
     def check(self, layout: VllmLayout) -> None:
         shape = (layout.vllm_block, layout.kv_heads, layout.head_dim)
         both = torch.cat([self.keys.reshape(-1), self.values.reshape(-1)])
@@ -113,14 +126,18 @@ class BlockMap:
 def head_major_map(layout: VllmLayout, keys_transposed: bool) -> BlockMap:
     """A map of per-head blocks holding keys then values (keys ``[head_dim, block]`` when
     ``keys_transposed``, else ``[block, head_dim]``; values ``[block, head_dim]``)."""
-    n, h, d = layout.vllm_block, layout.kv_heads, layout.head_dim
+    return BlockMap(*_head_major(layout.vllm_block, layout.kv_heads, layout.head_dim,
+                                 keys_transposed))  # fmt: skip
+
+
+def _head_major(n: int, h: int, d: int, keys_transposed: bool) -> tuple[torch.Tensor, ...]:
     t = torch.arange(n).view(n, 1, 1)
     hh = torch.arange(h).view(1, h, 1)
     dd = torch.arange(d).view(1, 1, d)
     base = hh * (2 * n * d)
     keys = base + (dd * n + t if keys_transposed else t * d + dd)
     values = base + n * d + t * d + dd
-    return BlockMap(keys.contiguous(), values.contiguous())
+    return keys.contiguous(), values.contiguous()
 
 
 def probe_block_map(layout: VllmLayout, dtype: torch.dtype, kv_cache_dtype: str) -> BlockMap:
@@ -223,21 +240,11 @@ def _whole_first(layout: VllmLayout, bmap: BlockMap, layers: list[torch.Tensor],
     return [vblocks[i] for i in rest], [subs[i] for i in rest], [rows[i] for i in rest]
 
 
-def _form(layout: VllmLayout, bmap: BlockMap) -> bool | None:
-    """Whether ``bmap`` is a head-major map (True: keys transposed, False: not), which whole
-    blocks are copied with strided views instead of element indices; None: another map."""
-    for transposed in (True, False):
-        ref = head_major_map(layout, transposed)
-        if torch.equal(ref.keys, bmap.keys) and torch.equal(ref.values, bmap.values):
-            return transposed
-    return None
-
-
 def _whole_blocks(layout: VllmLayout, bmap: BlockMap, vblocks: list[int],
                   subs: list[int]) -> tuple[list[list[int]], list[int]]:  # fmt: skip
     """The items that make up whole vLLM blocks (per block, its items by sub-block) and the
     others (indices), when the map has a head-major form; else everything is the others."""
-    if _form(layout, bmap) is None:
+    if bmap.head_major is None:
         return [], list(range(len(vblocks)))
     by: dict[int, dict[int, int]] = {}
     items: dict[int, list[int]] = {}
@@ -257,7 +264,7 @@ def _copy_whole(layout: VllmLayout, bmap: BlockMap, layers: list[torch.Tensor],
                 pool: torch.Tensor, vblocks: list[int], rows: list[int], to_vllm: bool) -> None:  # fmt: skip
     """Whole vLLM blocks ``vblocks`` <-> pool rows ``rows`` (``subs`` rows per block, in sub
     order) for a head-major map: per layer, two strided copies (keys, values), no indices."""
-    transposed = _form(layout, bmap)
+    transposed = bmap.head_major
     nb, S, kb = len(vblocks), layout.subs, layout.kv_block
     H, D, n = layout.kv_heads, layout.head_dim, layout.vllm_block
     # the pool side [nb, subs, 2, kb, H, D] -> keys/values [nb, subs, kb, H, D]; the vLLM side
