@@ -53,6 +53,8 @@ def parse_size(value: int | str) -> int:
 
 
 DTYPES = ("float32", "bfloat16")
+WEIGHT_FORMATS = ("auto", "float32", "int8", "q4")
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 @dataclass(slots=True)
@@ -72,8 +74,18 @@ class EngineConfig:
     served_model_name: str | None = None
     use_kernels: bool = True  # compiled paged-attention kernel (falls back if unavailable)
     kv_load_timeout_s: float = 10.0  # a background prefix load slower than this is recomputed
+    # linear layers' weights: float32 (dequantized; exact w.r.t. the file), int8 (per-channel),
+    # q4 (the GGUF's own 4-bit blocks), or auto (what runs fastest on this CPU)
+    weights: str = "float32"
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; int8: per-token, per-head scales
 
     def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if self.dtype in ("bf16", "auto"):
             self.dtype = "bfloat16" if self.dtype == "bf16" else "float32"
         if self.dtype in ("fp32", "float"):

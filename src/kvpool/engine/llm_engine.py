@@ -16,18 +16,14 @@ from kvpool.engine.block_pool import BlockPool
 from kvpool.engine.connectors.base import BlockRef, KVConnector, NoopConnector
 from kvpool.engine.kv_cache_manager import KVCacheManager
 from kvpool.engine.limits import check_context_length, check_prompt_chars, check_token_ids
-from kvpool.engine.model_runner import (
-    ModelRunner,
-    ScheduledChunk,
-    allocate_kv_cache,
-    kv_bytes_per_block,
-)
+from kvpool.engine.model_runner import ModelRunner, ScheduledChunk
 from kvpool.engine.output import OutputProcessor
 from kvpool.engine.request import Request, RequestOutput, RequestStatus
 from kvpool.engine.sampling import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerConfig
 from kvpool.engine.step_model import StepCosts
 from kvpool.model.kernels import paged_kernels
+from kvpool.model.kv_layout import allocate_kv_cache, kv_bytes_per_block
 from kvpool.model.llama import LlamaModel
 from kvpool.model.loader import LoadedModel, load_model
 from kvpool.protocol.worker import MAX_REMAINING, EngineStatus
@@ -74,7 +70,8 @@ class LLMEngine:
         self.loaded = model or load_model(config.model, dtype=dtype)
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
-        self.model = LlamaModel(mc, self.loaded.weights, dtype)
+        self.model = LlamaModel(mc, self.loaded.weights, dtype, config.weights,
+                                config.kv_cache_dtype)  # fmt: skip
         self.block_size = bs = config.block_size
         num_blocks = config.num_kv_blocks or max(
             2, config.kv_cache_memory_bytes // kv_bytes_per_block(self.model, bs) + 1
@@ -87,8 +84,8 @@ class LLMEngine:
         # (prefill tokens, decoding sequences, seconds) of recent steps: cost-model samples
         self.step_times: deque[tuple[int, int, float]] = deque(maxlen=512)
         self.namespace = kv_namespace(
-            self.loaded.fingerprint,
-            dtype=config.dtype,
+            self.model.fingerprint(self.loaded.fingerprint),
+            dtype=self.model.kv_format,
             block_size=bs,
             num_layers=mc.num_layers,
             num_kv_heads=mc.num_kv_heads,

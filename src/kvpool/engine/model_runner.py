@@ -36,19 +36,6 @@ class StepInputs(NamedTuple):
     sample_rows: list[int]  # row of the flat batch whose logits are sampled, per completing chunk
 
 
-def allocate_kv_cache(model: LlamaModel, num_blocks: int, block_size: int) -> torch.Tensor:
-    """The block-major KV tensor ``[blocks, layers, 2, block_size, kv_heads, head_dim]``."""
-    c = model.cfg
-    shape = (num_blocks, c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim)
-    return torch.zeros(shape, dtype=model.dtype)
-
-
-def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
-    c = model.cfg
-    elem = torch.empty((), dtype=model.dtype).element_size()
-    return c.num_layers * 2 * block_size * c.num_kv_heads * c.head_dim * elem
-
-
 class ModelRunner:
     """Owns the model and the KV tensor; runs one engine step."""
 

@@ -77,9 +77,16 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 class LlamaModel:
     """Forward pass of a Llama-family decoder on flattened tokens of a whole step."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 weight_format: str = "float32", kv_cache_dtype: str = "auto") -> None:  # fmt: skip
+        if weight_format not in ("float32", "auto"):
+            raise NotImplementedError(f"weights={weight_format!r} is not implemented yet")
+        if kv_cache_dtype != "auto":
+            raise NotImplementedError(f"kv_cache_dtype={kv_cache_dtype!r} is not implemented yet")
         self.cfg = cfg
         self.dtype = dtype
+        self.weight_format = "float32"
+        self.kv_format = str(dtype).removeprefix("torch.")
         w = {k: t.to(dtype) for k, t in weights.items()}
         self.embed = w["model.embed_tokens.weight"].contiguous()
         self.lm_head = _t(w.get("lm_head.weight", self.embed))
@@ -95,6 +102,13 @@ class LlamaModel:
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
+
+    def fingerprint(self, file_fingerprint: str) -> str:
+        """The fingerprint of the weights as computed with (KV from other weight formats
+        differs slightly, so it must not share keys): the file's for float32."""
+        if self.weight_format == "float32":
+            return file_fingerprint
+        return f"{file_fingerprint}|w-{self.weight_format}"
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)

@@ -11,7 +11,7 @@ vLLM's own cache-write kernel (``connector.probe_block_map``).
 
 A kvpool KV object holds one kvpool block (``kv_block`` tokens, 16 by default) of every layer
 as ``[layers, 2, kv_block, kv_heads, head_dim]``: the slice of kvpool's own block-major cache
-(``engine/model_runner.allocate_kv_cache``), so a block saved by either engine is read by the
+(``model/kv_layout.allocate_kv_cache``), so a block saved by either engine is read by the
 other. A vLLM block holds ``vllm_block // kv_block`` kvpool blocks (vLLM's CPU attention wants
 multiples of 32 tokens): the ``sub`` index says which.
 
