@@ -74,9 +74,9 @@ class EngineConfig:
     served_model_name: str | None = None
     use_kernels: bool = True  # compiled paged-attention kernel (falls back if unavailable)
     kv_load_timeout_s: float = 10.0  # a background prefix load slower than this is recomputed
-    # linear layers' weights: float32 (dequantized; exact w.r.t. the file), int8 (per-channel),
-    # q4 (the GGUF's own 4-bit blocks), or auto (what runs fastest on this CPU)
-    weights: str = "float32"
+    # linear layers' weights: float32 (dequantized: exactly the file's values), q4 (the GGUF's
+    # own 4-bit blocks), int8 (8-bit blocks), auto (model/weight_formats.py decides)
+    weights: str = "auto"
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; int8: per-token, per-head scales
 
     def __post_init__(self) -> None:

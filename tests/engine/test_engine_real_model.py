@@ -23,7 +23,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", kv_cache_memory_bytes="256MiB", max_num_batched_tokens=512)
+    # float32 weights: the engine's logic against transformers on the very same arithmetic
+    # (the quantized formats' own figures: tests/model/test_quality_real_model.py)
+    return LLM(dtype="float32", weights="float32", kv_cache_memory_bytes="256MiB",
+               max_num_batched_tokens=512)
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +89,7 @@ def test_prefix_hit_equals_cold(llm, prompts, hf_tokens):
 def test_chunked_prefill_equals_one_shot(prompts, hf_tokens, llm):
     chunked = LLM(
         dtype="float32",
+        weights="float32",
         kv_cache_memory_bytes="128MiB",
         max_num_batched_tokens=13,
         enable_prefix_caching=False,

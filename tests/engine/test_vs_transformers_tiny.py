@@ -34,7 +34,8 @@ def test_greedy_tokens_equal_transformers(tiny_model, tiny_engine_factory):
     ref = hf_model(tiny_model)
     g = torch.Generator().manual_seed(3)
     items = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 17, 33, 64)]
-    eng = tiny_engine_factory(max_num_batched_tokens=24)  # mixed lengths, chunked, batched
+    # float32 weights: the same arithmetic as transformers (mixed lengths, chunked, batched)
+    eng = tiny_engine_factory(max_num_batched_tokens=24, weights="float32")
     for i, p in enumerate(items):
         eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     done = {}

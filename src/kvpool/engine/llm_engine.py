@@ -71,7 +71,7 @@ class LLMEngine:
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.model = LlamaModel(mc, self.loaded.weights, dtype, config.weights,
-                                config.kv_cache_dtype)  # fmt: skip
+                                config.kv_cache_dtype, self.loaded.path)  # fmt: skip
         self.block_size = bs = config.block_size
         num_blocks = config.num_kv_blocks or max(
             2, config.kv_cache_memory_bytes // kv_bytes_per_block(self.model, bs) + 1

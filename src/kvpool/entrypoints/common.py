@@ -124,6 +124,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)",
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--weights", default="auto", choices=["auto", "q4", "int8", "float32"],
+                   help="linear layers' weights: the GGUF's 4-bit blocks, 8-bit blocks, or "
+                        "float32 (exact); auto: what runs fastest here (default)")  # fmt: skip
     p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size, e.g. 512MiB, 1GiB")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -158,7 +161,8 @@ def engine_config(args: argparse.Namespace):
     """The engine's config from its flags (``ValueError`` for bad values)."""
     from kvpool.config import EngineConfig
 
-    return EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
+    return EngineConfig(model=args.model, dtype=args.dtype, weights=args.weights,
+                        block_size=args.block_size,
                         kv_cache_memory_bytes=args.kv_cache_memory,
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -13,35 +13,22 @@ import torch.nn.functional as F
 
 from kvpool.model.attention import AttentionMetadata, paged_attention
 from kvpool.model.config import ModelConfig
-
-
-def _t(weight: torch.Tensor) -> torch.Tensor:
-    return weight.t().contiguous()
-
-
-def _mm(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
+from kvpool.model.kernels import kernels
+from kvpool.model.weight_formats import LinearFactory, resolve
 
 
 class _Layer:
-    __slots__ = ("down", "gate_up", "ln_attn", "ln_mlp", "o", "qkv", "qkv_bias")
+    __slots__ = ("down", "gate_up", "ln_attn", "ln_mlp", "o", "qkv")
 
-    def __init__(self, w: dict[str, torch.Tensor], prefix: str, bias: bool) -> None:
-        a = prefix + "self_attn."
-        # Weights are kept transposed ([in, out], contiguous): x @ W runs 2-3x faster on CPU
-        # BLAS than F.linear's x @ W.T at the small batch sizes of decode steps.
-        self.qkv = _t(
-            torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])
-        )
-        self.qkv_bias = (
-            torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
-            if bias
-            else None
-        )
-        self.o = _t(w[a + "o_proj.weight"])
-        m = prefix + "mlp."
-        self.gate_up = _t(torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]))
-        self.down = _t(w[m + "down_proj.weight"])
+    def __init__(self, make: LinearFactory, w: dict[str, torch.Tensor], prefix: str,
+                 bias: bool) -> None:  # fmt: skip
+        a, m = prefix + "self_attn.", prefix + "mlp."
+        qkv = [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]
+        qkv_bias = [n.replace(".weight", ".bias") for n in qkv] if bias else None
+        self.qkv = make.dense(qkv, qkv_bias)  # q, k and v in one GEMM
+        self.o = make.dense([a + "o_proj.weight"])
+        self.gate_up = make.dense([m + "gate_proj.weight", m + "up_proj.weight"])
+        self.down = make.dense([m + "down_proj.weight"])
         self.ln_attn = w[prefix + "input_layernorm.weight"]
         self.ln_mlp = w[prefix + "post_attention_layernorm.weight"]
 
@@ -78,21 +65,25 @@ class LlamaModel:
     """Forward pass of a Llama-family decoder on flattened tokens of a whole step."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 weight_format: str = "float32", kv_cache_dtype: str = "auto") -> None:  # fmt: skip
-        if weight_format not in ("float32", "auto"):
-            raise NotImplementedError(f"weights={weight_format!r} is not implemented yet")
+                 weight_format: str = "float32", kv_cache_dtype: str = "auto",
+                 source: str | None = None) -> None:  # fmt: skip
+        """``weight_format``: the linear layers' (``weight_formats.py``); ``source``: the
+        model's file, whose own quantized blocks are used where the format allows."""
+        weight_format = resolve(weight_format, cfg, dtype, source)
         if kv_cache_dtype != "auto":
             raise NotImplementedError(f"kv_cache_dtype={kv_cache_dtype!r} is not implemented yet")
         self.cfg = cfg
         self.dtype = dtype
-        self.weight_format = "float32"
+        self.weight_format = weight_format
         self.kv_format = str(dtype).removeprefix("torch.")
         w = {k: t.to(dtype) for k, t in weights.items()}
+        make = LinearFactory(weight_format, w, cfg, dtype, source)
         self.embed = w["model.embed_tokens.weight"].contiguous()
-        self.lm_head = _t(w.get("lm_head.weight", self.embed))
+        self.lm_head = make.head("lm_head.weight" if "lm_head.weight" in w else
+                                 "model.embed_tokens.weight")  # fmt: skip
         self.norm = w["model.norm.weight"]
         self.layers = [
-            _Layer(w, f"model.layers.{i}.", cfg.attention_bias) for i in range(cfg.num_layers)
+            _Layer(make, w, f"model.layers.{i}.", cfg.attention_bias) for i in range(cfg.num_layers)
         ]
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -102,6 +93,21 @@ class LlamaModel:
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
+        self.fused = self._fused_decode(make.kernels if make.kernels is not None else kernels())
+
+    def _fused_decode(self, mod):
+        """The whole decode step in one C++ call (``kernels/decode.cpp``), or None (no
+        kernels, or not float32)."""
+        if mod is None or self.dtype != torch.float32 or not hasattr(mod, "DecodeModel"):
+            return None
+        c = self.cfg
+        fused = mod.DecodeModel(c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+                                c.rms_norm_eps, self.cos, self.sin, self.norm)  # fmt: skip
+        for layer in self.layers:
+            fused.add_layer({"qkv": layer.qkv.spec(), "o": layer.o.spec(),
+                             "gate_up": layer.gate_up.spec(), "down": layer.down.spec(),
+                             "ln_attn": layer.ln_attn, "ln_mlp": layer.ln_mlp})  # fmt: skip
+        return fused
 
     def fingerprint(self, file_fingerprint: str) -> str:
         """The fingerprint of the weights as computed with (KV from other weight formats
@@ -129,6 +135,9 @@ class LlamaModel:
         """Final hidden states [T, hidden] (normed) for the step's T tokens."""
         cfg = self.cfg
         h = F.embedding(input_ids, self.embed)
+        if self.fused is not None and not meta.prefills and meta.kernels is not None:
+            return self.fused.forward(h, positions, kv_cache, meta.decode_block_table,
+                                      meta.decode_lens, meta.slot_blocks, meta.slot_offsets)  # fmt: skip
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         t = input_ids.shape[0]
@@ -136,7 +145,7 @@ class LlamaModel:
         inter = cfg.intermediate_size
         for i, layer in enumerate(self.layers):
             x = self._rms(h, layer.ln_attn)
-            qkv = _mm(x, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(x)
             # q and k rotate together: one RoPE pass over [T, Hq + Hkv, D]
             qk = self._rope(
                 qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, d), cos, sin
@@ -144,13 +153,13 @@ class LlamaModel:
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, d)
             a = paged_attention(q, k, v, kv_cache[:, i], meta)
-            h = torch.addmm(h, a, layer.o)  # residual add fused into the GEMM
+            h = layer.o.add_to(h, a)  # residual add fused into the GEMM
             x = self._rms(h, layer.ln_mlp)
-            gu = _mm(x, layer.gate_up)
+            gu = layer.gate_up(x)
             act = F.silu(gu[:, :inter], inplace=True).mul_(gu[:, inter:])
-            h = torch.addmm(h, act, layer.down)
+            h = layer.down.add_to(h, act)
         return self._rms(h, self.norm)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the selected hidden states."""
-        return _mm(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

@@ -3,7 +3,8 @@
 // One query token per sequence. Each (sequence, KV head) pair is one task: the task reads the
 // sequence's keys and values block by block where they lie in the cache, once each, for all
 // query heads of its group (GQA), so shared prefix blocks stay hot in cache across sequences.
-#include <torch/extension.h>
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -119,6 +120,10 @@ void decode(const T* q, const T* kv, const int64_t* table, const int64_t* lens, 
   });
 }
 
+}  // namespace
+
+namespace kvpool {
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_layer,
                                      torch::Tensor block_table, torch::Tensor lens,
                                      double scale) {
@@ -152,9 +157,4 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_layer,
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged block-major KV cache");
-}
+}  // namespace kvpool

@@ -1,0 +1,96 @@
+"""Choices measured on this CPU, once, then cached: which weight format ``auto`` means, and up
+to how many rows a batch runs the block kernel rather than BLAS.
+
+Machines differ (AVX-512 Xeons run float32 BLAS far faster than an AVX2-only EPYC does), so
+nothing here is a constant: a few timed calls on matrices of the model's own shapes decide, and
+the result is kept in ``<cache>/autotune/`` keyed by the CPU, torch, the thread count and the
+shapes (``KVPOOL_SMALL_ROWS`` overrides the measured limit).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from kvpool.model.cache import cache_root
+from kvpool.model.quant import quantize
+
+logger = logging.getLogger(__name__)
+
+ROWS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes tried, in order
+_ENV = "KVPOOL_SMALL_ROWS"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _key(kind: str, k: int, n: int) -> str:
+    return f"{_cpu_name()}|torch-{torch.__version__}|t{torch.get_num_threads()}|{kind}|{k}x{n}"
+
+
+def _time(fn, reps: int = 3) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_small_rows(kernels: ModuleType, kind: str, k: int, n: int) -> int:
+    """The largest batch in ``ROWS`` up to which the block kernel is faster than BLAS for a
+    ``[n, k]`` matrix of ``kind`` blocks (0 if it never is)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=g) * 0.02
+    bw, w_t = quantize(w, kind), w.t().contiguous()
+    limit = 0
+    for rows in ROWS:
+        x = torch.randn(rows, k, generator=g)
+        blocks = _time(lambda x=x: kernels.qlinear(x, bw.qs, bw.d, bw.m))
+        dense = _time(lambda x=x: torch.mm(x, w_t))
+        if blocks >= dense:
+            break
+        limit = rows
+    return limit
+
+
+def small_rows(kernels: ModuleType, kind: str, k: int, n: int) -> int:
+    """``measure_small_rows``, from the cache when this machine measured it before."""
+    if os.environ.get(_ENV):
+        return int(os.environ[_ENV])
+    path = cache_root() / "autotune" / "small_rows.json"
+    key = _key(kind, k, n)
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known.get(key), int):
+        return known[key]
+    t0 = time.perf_counter()
+    limit = measure_small_rows(kernels, kind, k, n)
+    logger.info("block kernel (%s, %dx%d) beats BLAS up to %d rows here (measured in %.1f s)",
+                kind, n, k, limit, time.perf_counter() - t0)  # fmt: skip
+    known[key] = limit
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError as exc:  # a read-only cache only costs a measurement per start
+        logger.info("could not cache the measurement (%s)", exc)
+    return limit

@@ -1,0 +1,16 @@
+// The Python module: kvpool.model.kernels loads it as one extension.
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &kvpool::paged_decode_attention,
+        "decode attention over a paged block-major KV cache");
+  m.def("qlinear", &kvpool::qlinear, "x . W^T over 32-block quantized weights (q4 / q8)",
+        py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("out") = py::none(),
+        py::arg("portable") = false);
+  m.def("has_avx2", &kvpool::has_avx2, "whether the quantized kernel's AVX2 path is built in");
+  py::class_<kvpool::DecodeModel>(m, "DecodeModel")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor,
+                    torch::Tensor>())
+      .def("add_layer", &kvpool::DecodeModel::add_layer)
+      .def("forward", &kvpool::DecodeModel::forward);
+}

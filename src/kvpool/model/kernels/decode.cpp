@@ -1,0 +1,168 @@
+// One decode step of a Llama-family decoder in one call: every layer's RMSNorm, q/k/v
+// projection, RoPE, KV write into the paged cache, attention, output projection, MLP and
+// residual adds, without going back to Python between ops. At one or a few sequences a step
+// is short (milliseconds) and made of ~300 small ops; dispatching each from Python costs more
+// than the arithmetic of most of them. The math is the Python path's (model/llama.py), which
+// still runs prefill chunks and mixed steps.
+#include "kernels.h"
+
+#include <cmath>
+
+namespace kvpool {
+namespace {
+
+void rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+    float* yr = y + r * n;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) yr[i] = xr[i] * inv * w[i];
+  }
+}
+
+// rotate_half RoPE of `heads` heads of dimension d in place: x * cos + rotate_half(x) * sin.
+void rope(float* x, int64_t heads, int64_t d, const float* cos, const float* sin) {
+  const int64_t half = d / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* v = x + h * d;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = v[i], b = v[i + half];
+      v[i] = a * cos[i] - b * sin[i];
+      v[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+  }
+}
+
+void silu_mul(const float* gu, float* out, int64_t rows, int64_t inter) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gu + r * 2 * inter;
+    const float* u = g + inter;
+    float* o = out + r * inter;
+#pragma omp simd
+    for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  }
+}
+
+bool use_blocks(const DecodeModel::Linear& l, int64_t rows) {
+  return l.qs.defined() && rows <= l.small_rows;
+}
+
+torch::Tensor linear(const DecodeModel::Linear& l, const torch::Tensor& x) {
+  if (use_blocks(l, x.size(0))) {
+    torch::Tensor y = qlinear(x, l.qs, l.d, l.m, c10::nullopt, false);
+    return l.bias.defined() ? y.add_(l.bias) : y;
+  }
+  return l.bias.defined() ? at::addmm(l.bias, x, l.w_t) : at::mm(x, l.w_t);
+}
+
+void linear_add(const DecodeModel::Linear& l, const torch::Tensor& x, torch::Tensor& h) {
+  if (use_blocks(l, x.size(0))) {
+    qlinear(x, l.qs, l.d, l.m, h, false);
+  } else {
+    h.addmm_(x, l.w_t);
+  }
+}
+
+DecodeModel::Linear read_linear(const py::dict& d) {
+  DecodeModel::Linear l;
+  l.w_t = d["w_t"].cast<torch::Tensor>();
+  if (!d["bias"].is_none()) l.bias = d["bias"].cast<torch::Tensor>();
+  if (!d["qs"].is_none()) {
+    l.qs = d["qs"].cast<torch::Tensor>();
+    l.d = d["d"].cast<torch::Tensor>();
+    l.m = d["m"].cast<torch::Tensor>();
+    l.small_rows = d["small_rows"].cast<int64_t>();
+  }
+  TORCH_CHECK(l.w_t.scalar_type() == torch::kFloat && l.w_t.dim() == 2,
+              "DecodeModel computes in float32");
+  return l;
+}
+
+}  // namespace
+
+DecodeModel::DecodeModel(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter,
+                         double eps, torch::Tensor cos, torch::Tensor sin, torch::Tensor norm)
+    : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), inter_(inter),
+      eps_(static_cast<float>(eps)), cos_(cos.contiguous()), sin_(sin.contiguous()),
+      norm_(norm.contiguous()) {
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim % 2 == 0,
+              "bad head shapes");
+  TORCH_CHECK(cos_.scalar_type() == torch::kFloat && cos_.dim() == 2 &&
+                  cos_.size(1) == head_dim && sin_.sizes() == cos_.sizes(),
+              "cos/sin must be float32 [positions, head_dim]");
+}
+
+void DecodeModel::add_layer(py::dict layer) {
+  Layer l{read_linear(layer["qkv"].cast<py::dict>()), read_linear(layer["o"].cast<py::dict>()),
+          read_linear(layer["gate_up"].cast<py::dict>()),
+          read_linear(layer["down"].cast<py::dict>()),
+          layer["ln_attn"].cast<torch::Tensor>().contiguous(),
+          layer["ln_mlp"].cast<torch::Tensor>().contiguous()};
+  layers_.push_back(std::move(l));
+}
+
+torch::Tensor DecodeModel::forward(torch::Tensor h, torch::Tensor positions,
+                                   torch::Tensor kv_cache, torch::Tensor block_table,
+                                   torch::Tensor lens, torch::Tensor slot_blocks,
+                                   torch::Tensor slot_offsets) {
+  const int64_t B = h.size(0), hidden = h.size(1), d = head_dim_;
+  const int64_t qsize = heads_ * d, kvsize = kv_heads_ * d;
+  TORCH_CHECK(h.scalar_type() == torch::kFloat && h.is_contiguous() && h.dim() == 2,
+              "h must be a contiguous float32 [B, hidden] tensor");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 6 &&
+                  kv_cache.scalar_type() == torch::kFloat &&
+                  kv_cache.size(1) == static_cast<int64_t>(layers_.size()) &&
+                  kv_cache.size(4) == kv_heads_ && kv_cache.size(5) == d,
+              "kv_cache must be a contiguous float32 [blocks, layers, 2, bs, kv_heads, d]");
+  for (const auto* t : {&positions, &slot_blocks, &slot_offsets})
+    TORCH_CHECK(t->scalar_type() == torch::kLong && t->is_contiguous() && t->numel() == B,
+                "positions and slots must be contiguous int64 [B] tensors");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* sb = slot_blocks.data_ptr<int64_t>();
+  const int64_t* so = slot_offsets.data_ptr<int64_t>();
+  const int64_t nblocks = kv_cache.size(0), bs = kv_cache.size(3);
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < cos_.size(0) && sb[b] >= 0 && sb[b] < nblocks &&
+                    so[b] >= 0 && so[b] < bs,
+                "position or KV slot out of range");
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  const float* cs = cos_.data_ptr<float>();
+  const float* sn = sin_.data_ptr<float>();
+  float* kvp = kv_cache.data_ptr<float>();
+  const auto st = kv_cache.strides();
+  auto x = torch::empty_like(h);
+  auto q = torch::empty({B, heads_, d}, h.options());
+  auto act = torch::empty({B, inter_}, h.options());
+  float* hp = h.data_ptr<float>();
+  float* xp = x.data_ptr<float>();
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    const Layer& L = layers_[li];
+    rms_norm(hp, L.ln_attn.data_ptr<float>(), xp, B, hidden, eps_);
+    torch::Tensor qkv = linear(L.qkv, x);
+    float* qkvp = qkv.data_ptr<float>();
+    const int64_t row = qkv.size(1);
+    for (int64_t b = 0; b < B; ++b) {
+      float* r = qkvp + b * row;
+      rope(r, heads_ + kv_heads_, d, cs + pos[b] * d, sn + pos[b] * d);  // q and k
+      std::copy(r, r + qsize, q.data_ptr<float>() + b * qsize);
+      float* slot = kvp + sb[b] * st[0] + li * st[1] + so[b] * st[3];
+      std::copy(r + qsize, r + qsize + kvsize, slot);               // keys
+      std::copy(r + qsize + kvsize, r + qsize + 2 * kvsize, slot + st[2]);  // values
+    }
+    torch::Tensor a = paged_decode_attention(q, kv_cache.select(1, li), block_table, lens,
+                                             scale);
+    linear_add(L.o, a.view({B, qsize}), h);
+    rms_norm(hp, L.ln_mlp.data_ptr<float>(), xp, B, hidden, eps_);
+    torch::Tensor gu = linear(L.gate_up, x);
+    silu_mul(gu.data_ptr<float>(), act.data_ptr<float>(), B, inter_);
+    linear_add(L.down, act, h);
+  }
+  rms_norm(hp, norm_.data_ptr<float>(), xp, B, hidden, eps_);
+  return x;
+}
+
+}  // namespace kvpool

@@ -1,0 +1,43 @@
+// kvpool's C++ kernels, one extension module (kvpool.model.kernels builds it on first use).
+#pragma once
+
+#include <torch/extension.h>
+
+namespace kvpool {
+
+// Decode attention over the paged, block-major KV cache (paged_attention.cpp).
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_layer,
+                                     torch::Tensor block_table, torch::Tensor lens,
+                                     double scale);
+
+// y = x . W^T over 32-block quantized weights; with `out`, y is added to it (qgemm.cpp).
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
+                      c10::optional<torch::Tensor> out, bool portable);
+bool has_avx2();
+
+// A whole decode step of a Llama-family model in one call (decode.cpp).
+class DecodeModel {
+ public:
+  struct Linear {  // blocks (qs, d, m) below `small_rows` rows, else dense (w_t, bias)
+    torch::Tensor qs, d, m, w_t, bias;
+    int64_t small_rows = 0;
+  };
+  struct Layer {
+    Linear qkv, o, gate_up, down;
+    torch::Tensor ln_attn, ln_mlp;
+  };
+  DecodeModel(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter, double eps,
+              torch::Tensor cos, torch::Tensor sin, torch::Tensor norm);
+  void add_layer(py::dict layer);
+  torch::Tensor forward(torch::Tensor h, torch::Tensor positions, torch::Tensor kv_cache,
+                        torch::Tensor block_table, torch::Tensor lens, torch::Tensor slot_blocks,
+                        torch::Tensor slot_offsets);
+
+ private:
+  int64_t heads_, kv_heads_, head_dim_, inter_;
+  float eps_;
+  torch::Tensor cos_, sin_, norm_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace kvpool

@@ -1,0 +1,79 @@
+"""What a weight format costs in quality, measured: perplexity on a text and agreement with the
+float32 model's greedy tokens.
+
+Both read a model's next-token distributions over a whole token sequence in one pass (teacher
+forcing). A quantized model runs its prompt chunks through float32 BLAS and only its decode
+steps through the block kernel (``weight_formats.py``), so ``block_path`` makes every batch
+take the block kernel while measuring: the figures are those of the tokens a server generates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from kvpool.model.attention import AttentionMetadata, PrefillSeq
+from kvpool.model.linear import BlockLinear
+from kvpool.model.llama import LlamaModel
+
+_ROWS = 256  # logits computed this many positions at a time (vocab-sized rows are big)
+
+
+def _linears(model: LlamaModel) -> Iterator[object]:
+    yield model.lm_head
+    for layer in model.layers:
+        yield from (layer.qkv, layer.o, layer.gate_up, layer.down)
+
+
+@contextmanager
+def block_path(model: LlamaModel) -> Iterator[LlamaModel]:
+    """Every batch of ``model`` through the block kernel while inside (a no-op for float32)."""
+    saved = [(lin, lin.small_rows) for lin in _linears(model) if isinstance(lin, BlockLinear)]
+    try:
+        for lin, _ in saved:
+            lin.small_rows = 1 << 30
+        yield model
+    finally:
+        for lin, rows in saved:
+            lin.small_rows = rows
+
+
+@torch.inference_mode()
+def next_token_logprobs(model: LlamaModel, ids: list[int], block: int = 16) -> torch.Tensor:
+    """Log-probabilities ``[len(ids) - 1, vocab]`` of each next token, from one causal pass
+    over ``ids`` (a scratch KV cache of its own)."""
+    n, c = len(ids), model.cfg
+    if n < 2:
+        raise ValueError("need at least two tokens")
+    num_blocks = -(-n // block) + 1
+    kv = torch.zeros(num_blocks, c.num_layers, 2, block, c.num_kv_heads, c.head_dim,
+                     dtype=model.dtype)  # fmt: skip
+    table = torch.arange(1, num_blocks)
+    pos = torch.arange(n)
+    meta = AttentionMetadata(table[pos // block], pos % block, 0, None, None, None,
+                             [PrefillSeq(0, n, 0, table, None)])  # fmt: skip
+    hidden = model.forward(torch.tensor(ids), pos, meta, kv)[:-1]
+    parts = [torch.log_softmax(model.logits(hidden[i : i + _ROWS]), dim=-1)
+             for i in range(0, n - 1, _ROWS)]  # fmt: skip
+    return torch.cat(parts)
+
+
+def perplexity(model: LlamaModel, ids: list[int]) -> float:
+    lp = next_token_logprobs(model, ids)
+    nll = -lp.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).mean().item()
+    return math.exp(nll)
+
+
+def agreement(model: LlamaModel, reference: LlamaModel, ids: list[int], start: int) -> dict:
+    """How often ``model``'s greedy next token equals ``reference``'s over ``ids[start:]``
+    (both reading the same tokens), and the mean KL divergence from the reference."""
+    lp, ref = (
+        next_token_logprobs(model, ids)[start - 1 :],
+        next_token_logprobs(reference, ids)[start - 1 :],
+    )
+    same = (lp.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    kl = (ref.exp() * (ref - lp)).sum(-1).mean().item()
+    return {"top1_agreement": same, "kl": kl, "positions": int(lp.shape[0])}

@@ -1,0 +1,86 @@
+"""What the quantized weight formats cost in quality on the real SmolLM2-135M-Instruct weights,
+measured (issue 15): perplexity on a fixed public-domain text (tests/data/alice_ch1.txt, 2,898
+tokens) and agreement with the float32 model's greedy tokens, both through the block kernel
+(``quality.block_path``: what decode steps compute). The figures are printed (``-s``) and
+recorded in docs/benchmarks.md.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvpool import LLM, SamplingParams
+from kvpool.model.kernels import kernels
+from kvpool.model.llama import LlamaModel
+from kvpool.model.quality import agreement, block_path, next_token_logprobs
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(kernels() is None, reason="no C++ compiler for the kernels")]  # fmt: skip
+TEXT = Path(__file__).parents[1] / "data" / "alice_ch1.txt"
+PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how a hash table works.",
+    "What are the main causes of the French Revolution?",
+    "Give me a recipe for pancakes.",
+    "Describe the water cycle to a ten-year-old.",
+    "def quicksort(xs):",
+    "List five facts about the Moon.",
+    "Why is the sky blue?",
+]
+
+
+@pytest.fixture(scope="module")
+def reference(real_model):
+    return LlamaModel(real_model.config, real_model.weights, torch.float32, "float32")
+
+
+def _ppl(lp: torch.Tensor, ids: list[int]) -> float:
+    return float(torch.exp(-lp.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).mean()))
+
+
+@pytest.mark.parametrize(("fmt", "min_top1"), [("q4", 0.995), ("int8", 0.95)])
+def test_perplexity_within_one_percent_of_float32(real_model, reference, fmt, min_top1):
+    ids = real_model.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
+    model = LlamaModel(real_model.config, real_model.weights, torch.float32, fmt,
+                       source=real_model.path)  # fmt: skip
+    ref_lp = next_token_logprobs(reference, ids)
+    with block_path(model):
+        lp = next_token_logprobs(model, ids)
+    ref_ppl, ppl = _ppl(ref_lp, ids), _ppl(lp, ids)
+    top1 = float((lp.argmax(-1) == ref_lp.argmax(-1)).float().mean())
+    print(f"\n{fmt}: perplexity {ppl:.4f} vs float32 {ref_ppl:.4f} ({ppl / ref_ppl - 1:+.3%}), "
+          f"top-1 agreement {top1:.4f} over {len(ids) - 1} positions")  # fmt: skip
+    assert abs(ppl / ref_ppl - 1) <= 0.01
+    assert top1 >= min_top1
+
+
+def test_greedy_tokens_agree_with_float32(real_model, reference):
+    """8 prompts x 256 greedy tokens from the quantized engine (``weights="auto"``, q4 here)
+    against the float32 engine's: the length they agree for, and how often the quantized model
+    picks float32's token when both read float32's text (teacher forcing)."""
+    tok = real_model.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
+               for p in PROMPTS]  # fmt: skip
+    sp = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    outs = {}
+    for fmt in ("float32", "auto"):
+        llm = LLM(loaded_model=real_model, weights=fmt, kv_cache_memory_bytes="256MiB")
+        assert llm.engine.model.weight_format == ("float32" if fmt == "float32" else "q4")
+        outs[fmt] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+        llm.engine.close()
+    common = []
+    for a, b in zip(outs["float32"], outs["auto"], strict=True):
+        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        common.append(n)
+    quant = LlamaModel(real_model.config, real_model.weights, torch.float32, "q4",
+                       source=real_model.path)  # fmt: skip
+    rates = []  # where the answers part, is it one near-tie or a different model?
+    with block_path(quant):
+        for p, ref, n in zip(prompts, outs["float32"], common, strict=True):
+            if n < 256:
+                rates.append(agreement(quant, reference, p + ref, len(p))["top1_agreement"])
+    print(f"\nq4 vs float32 greedy: equal for {common} of 256 tokens; teacher-forced top-1 "
+          f"agreement {[round(r, 4) for r in rates]}")  # fmt: skip
+    assert min(rates, default=1.0) >= 0.98
+    assert sum(n == 256 for n in common) >= 4  # most answers are token for token float32's

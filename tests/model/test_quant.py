@@ -1,0 +1,98 @@
+"""Block-quantized weights (model/quant.py) and the qlinear kernel against float references."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from kvpool.model.kernels import kernels
+from kvpool.model.quant import BlockWeights, cat_rows, from_gguf_blocks, quantize
+
+kern = kernels()
+needs_kernel = pytest.mark.skipif(kern is None, reason="no C++ compiler for the kernels")
+
+
+def weights(n=40, k=96, seed=0):
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_quantize_error_is_within_half_a_step(kind):
+    w = weights()
+    bw = quantize(w, kind)
+    err = (bw.dequantize() - w).abs().reshape(40, 3, 32)
+    assert (err <= bw.d[..., None] / 2 + 1e-6).all()
+    assert bw.shape == (40, 96)
+    assert bw.nbytes == {"q4": 40 * 48 + 2 * 40 * 3 * 4, "q8": 40 * 96 + 40 * 3 * 4}[kind]
+
+
+def test_quantize_refuses_what_does_not_cut_into_blocks():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize(torch.zeros(4, 40), "q8")
+    with pytest.raises(ValueError, match="kind"):
+        quantize(torch.zeros(4, 32), "q2")
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_gguf_blocks_are_taken_exactly(qtype):
+    x = weights(16, 128).numpy()
+    raw = gguf.quants.quantize(x, qtype)
+    bw = from_gguf_blocks(raw, qtype)
+    want = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32))
+    assert torch.equal(bw.dequantize(), want)
+    assert bw.kind == ("q8" if qtype == Q.Q8_0 else "q4")
+
+
+def test_rows_reorder_and_stack():
+    a, b = quantize(weights(8, 64, 1), "q4"), quantize(weights(4, 64, 2), "q4")
+    both = cat_rows([a, b])
+    assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    idx = torch.tensor([3, 0, 2, 1, 7, 6, 5, 4])
+    assert torch.equal(a.rows(idx).dequantize(), a.dequantize()[idx])
+    with pytest.raises(ValueError, match="kinds"):
+        cat_rows([a, quantize(weights(4, 64), "q8")])
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 33])
+def test_qlinear_matches_float_arithmetic_on_the_same_weights(kind, rows):
+    # 16-bit activations: the result is float32's on the dequantized weights, to ~1e-5
+    bw = quantize(weights(37, 160), kind)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    want = x @ bw.dequantize().t()
+    got = kern.qlinear(x, bw.qs, bw.d, bw.m)
+    scale = want.abs().max()
+    assert (got - want).abs().max() <= 1e-4 * scale
+    portable = kern.qlinear(x, bw.qs, bw.d, bw.m, portable=True)  # the scalar path
+    assert (portable - got).abs().max() <= 1e-5 * scale
+
+
+@needs_kernel
+def test_qlinear_adds_into_out_and_reads_strided_rows():
+    bw = quantize(weights(24, 64), "q4")
+    wide = torch.randn(3, 100)
+    x = wide[:, 4:68]  # rows with a stride of 100
+    base = torch.randn(3, 24)
+    out = base.clone()
+    res = kern.qlinear(x, bw.qs, bw.d, bw.m, out)
+    assert res.data_ptr() == out.data_ptr()
+    want = base + x @ bw.dequantize().t()
+    assert torch.allclose(out, want, atol=1e-4)
+
+
+@needs_kernel
+def test_qlinear_rejects_bad_inputs():
+    bw = quantize(weights(8, 64), "q4")
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kern.qlinear(torch.zeros(1, 40), bw.qs, bw.d, bw.m)
+    with pytest.raises(RuntimeError, match="wrong width"):
+        kern.qlinear(torch.zeros(1, 96), bw.qs, bw.d, bw.m)
+    with pytest.raises(RuntimeError, match="float32"):
+        kern.qlinear(torch.zeros(1, 64, dtype=torch.float64), bw.qs, bw.d, bw.m)
+    with pytest.raises(RuntimeError, match="m must be"):
+        kern.qlinear(torch.zeros(1, 64), bw.qs, bw.d, torch.zeros(3))
+    with pytest.raises(RuntimeError, match="out must be"):
+        kern.qlinear(torch.zeros(2, 64), bw.qs, bw.d, bw.m, torch.zeros(1, 8))
+    assert isinstance(bw, BlockWeights)

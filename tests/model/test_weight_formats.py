@@ -1,0 +1,141 @@
+"""Weight formats (model/weight_formats.py): which layers each builds, ``auto``'s choice, the
+fused decode step against the per-op Python path, and the cached batch-size limit."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from kvpool.common.errors import ModelLoadError
+from kvpool.model import autotune
+from kvpool.model.attention import AttentionMetadata, PrefillSeq
+from kvpool.model.kernels import kernels
+from kvpool.model.linear import BlockLinear, DenseLinear
+from kvpool.model.llama import LlamaModel
+from kvpool.model.quality import block_path
+
+kern = kernels()
+needs_kernel = pytest.mark.skipif(kern is None, reason="no C++ compiler for the kernels")
+BS = 4
+
+
+@pytest.fixture
+def tiny(tiny_model):
+    return tiny_model
+
+
+def build(tiny, fmt):
+    return LlamaModel(tiny.config, tiny.weights, torch.float32, fmt)
+
+
+def prefill(model, kv, ids, first_block):
+    n = len(ids)
+    table = torch.arange(first_block, first_block + -(-(n + 1) // BS))
+    pos = torch.arange(n)
+    meta = AttentionMetadata(table[pos // BS], pos % BS, 0, None, None, None,
+                             [PrefillSeq(0, n, 0, table, None)], kern)  # fmt: skip
+    model.forward(torch.tensor(ids), pos, meta, kv)
+    return table
+
+
+def decode_step(model, kv, tables, lens, tokens):
+    """One decode token per sequence at position lens[i]; the final hidden states."""
+    pos = torch.tensor(lens)
+    width = max(len(t) for t in tables)
+    table = torch.stack([torch.cat([t, t.new_zeros(width - len(t))]) for t in tables])
+    slot_blocks = torch.stack([t[p // BS] for t, p in zip(tables, lens, strict=True)])
+    meta = AttentionMetadata(slot_blocks, pos % BS, len(lens), table, pos + 1, None, [], kern)
+    return model.forward(torch.tensor(tokens), pos, meta, kv)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", ["1", "64"])  # the block kernel for 1 row / for every batch
+@pytest.mark.parametrize("fmt", ["q4", "int8", "float32"])
+def test_fused_decode_step_equals_the_python_path(tiny, fmt, rows, monkeypatch):
+    monkeypatch.setenv("KVPOOL_SMALL_ROWS", rows)
+    model = build(tiny, fmt)
+    assert model.fused is not None
+    prompts = [[5, 9, 11, 3, 7], list(range(20, 29)), list(range(40, 57))]
+    outs = []
+    for fused in (model.fused, None):
+        model.fused = fused
+        kv = torch.zeros(40, tiny.config.num_layers, 2, BS, tiny.config.num_kv_heads, 16)
+        tables = [prefill(model, kv, p, 1 + 10 * i) for i, p in enumerate(prompts)]
+        h = decode_step(model, kv, tables, [len(p) for p in prompts], [1, 2, 3])
+        outs.append((h, kv.clone()))
+    (h1, kv1), (h2, kv2) = outs
+    # the same kernels on both paths; float sums in another order (16-bit activations round
+    # the difference up to ~1e-5 of a block's largest value)
+    assert (h1 - h2).abs().max() <= 1e-4 * h2.abs().max()
+    assert (kv1 - kv2).abs().max() <= 1e-4 * kv2.abs().max()  # new keys/values: same slots
+
+
+@needs_kernel
+def test_quantized_formats_build_block_layers_with_a_dense_fallback(tiny):
+    q4 = build(tiny, "q4")
+    layer = q4.layers[0]
+    assert isinstance(layer.qkv, BlockLinear) and layer.qkv.weights.kind == "q4"
+    assert isinstance(layer.qkv.large, DenseLinear)
+    assert q4.lm_head.weights.kind == "q8"  # the head stays at 8 bits
+    assert build(tiny, "int8").layers[0].down.weights.kind == "q8"
+    assert isinstance(build(tiny, "float32").layers[0].o, DenseLinear)
+    # a quarter of float32's weight bytes (q4 layers, q8 head)
+    dense = sum(lin.nbytes for lin in (layer.qkv.large, layer.o.large))
+    assert sum(lin.nbytes for lin in (layer.qkv, layer.o)) < dense / 4
+
+
+@needs_kernel
+def test_quantized_logits_are_close_to_float32(tiny):
+    ids = list(range(3, 40))
+    ref, q4 = build(tiny, "float32"), build(tiny, "q4")
+    from kvpool.model.quality import next_token_logprobs
+
+    with block_path(q4):
+        lp = next_token_logprobs(q4, ids)
+    want = next_token_logprobs(ref, ids)
+    # the tiny model's random float weights, quantized to 4 bits here: close, not equal
+    assert (lp.exp() - want.exp()).abs().max() < 0.05
+
+
+@needs_kernel
+def test_auto_resolves_by_dtype_shapes_and_source(tiny, tmp_path, monkeypatch):
+    from kvpool.model.weight_formats import resolve
+
+    monkeypatch.setenv("KVPOOL_SMALL_ROWS", "4")
+    cfg = tiny.config
+    assert resolve("auto", cfg, torch.float32, None) == "int8"  # float weights: 8-bit blocks
+    assert resolve("auto", cfg, torch.bfloat16, None) == "float32"
+    assert resolve("q4", cfg, torch.float32, None) == "q4"
+    odd = dataclasses.replace(cfg, hidden_size=48)
+    assert resolve("auto", odd, torch.float32, None) == "float32"  # no 32-blocks
+    monkeypatch.setenv("KVPOOL_SMALL_ROWS", "0")  # the block kernel never faster
+    assert resolve("auto", cfg, torch.float32, None) == "float32"
+
+
+def test_quantized_formats_refuse_what_they_cannot_run(tiny):
+    with pytest.raises(ModelLoadError, match="float32"):
+        LlamaModel(tiny.config, tiny.weights, torch.bfloat16, "q4")
+    with pytest.raises(ValueError, match="weight format"):
+        LlamaModel(tiny.config, tiny.weights, torch.float32, "q3")
+
+
+@needs_kernel
+def test_small_rows_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("KVPOOL_SMALL_ROWS", raising=False)
+    calls = []
+    monkeypatch.setattr(autotune, "measure_small_rows",
+                        lambda *a: calls.append(a) or 8)  # fmt: skip
+    assert autotune.small_rows(kern, "q4", 64, 128) == 8
+    assert autotune.small_rows(kern, "q4", 64, 128) == 8
+    assert len(calls) == 1
+    saved = json.loads((tmp_path / "autotune" / "small_rows.json").read_text())
+    assert list(saved.values()) == [8]
+    monkeypatch.setenv("KVPOOL_SMALL_ROWS", "3")
+    assert autotune.small_rows(kern, "q4", 64, 128) == 3
+
+
+@needs_kernel
+def test_measure_small_rows_returns_a_tried_batch_size():
+    assert autotune.measure_small_rows(kern, "q8", 64, 96) in (0, *autotune.ROWS)
