@@ -84,3 +84,34 @@ def test_greedy_tokens_agree_with_float32(real_model, reference):
           f"agreement {[round(r, 4) for r in rates]}")  # fmt: skip
     assert min(rates, default=1.0) >= 0.98
     assert sum(n == 256 for n in common) >= 4  # most answers are token for token float32's
+
+
+def test_int8_kv_perplexity_on_a_long_prompt(real_model, reference):
+    """2,898 tokens read in chunks of 128: every chunk after the first attends to the earlier
+    tokens' int8 keys and values, as a long chunked prompt or a decode does."""
+    ids = real_model.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
+    assert len(ids) >= 1500
+    int8 = LlamaModel(real_model.config, real_model.weights, torch.float32, "float32", "int8")
+    ref_lp = next_token_logprobs(reference, ids, chunk=128)
+    lp = next_token_logprobs(int8, ids, chunk=128)
+    ref_ppl, ppl = _ppl(ref_lp, ids), _ppl(lp, ids)
+    top1 = float((lp.argmax(-1) == ref_lp.argmax(-1)).float().mean())
+    print(f"\nint8 KV: perplexity {ppl:.4f} vs float32 KV {ref_ppl:.4f} "
+          f"({ppl / ref_ppl - 1:+.3%}), top-1 agreement {top1:.4f}")  # fmt: skip
+    assert abs(ppl / ref_ppl - 1) <= 0.01
+    assert top1 >= 0.95
+
+
+def test_the_files_own_blocks_share_the_float32_namespace(real_model):
+    """q4 from the GGUF's blocks computes the float32 model (to float rounding), so its KV is
+    shared with float32 engines (and vLLM); int8 requantizes, and an int8 cache differs."""
+
+    def namespace(**kw):
+        llm = LLM(loaded_model=real_model, kv_cache_memory_bytes="64MiB", **kw)
+        llm.engine.close()
+        return llm.engine.namespace
+
+    base = namespace(weights="float32")
+    assert namespace(weights="q4") == base
+    assert namespace(weights="int8") != base
+    assert namespace(weights="q4", kv_cache_dtype="int8") != base

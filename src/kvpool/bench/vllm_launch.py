@@ -153,8 +153,7 @@ class VllmCluster:
             for j, role in enumerate(self.kvpool_roles):
                 w = Proc([*kvpool_cmd(), "worker", "--role", role, "--id", f"kvpool-{role}-{j}",
                           "--store", self.master, "--threads", "1", "--kv-cache-memory", "512MiB",
-                          # float32 weights: KV in vLLM's namespace, which it can load
-                          "--weights", "float32", "--log-level", "warning"], d / f"kvpool-{role}-{j}.log",
+                          "--log-level", "warning"], d / f"kvpool-{role}-{j}.log",
                          {**env, "HF_HUB_OFFLINE": "1",
                           "OMP_NUM_THREADS": "1"})  # fmt: skip
                 self.procs.append(w)

@@ -127,6 +127,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="auto", choices=["auto", "q4", "int8", "float32"],
                    help="linear layers' weights: the GGUF's 4-bit blocks, 8-bit blocks, or "
                         "float32 (exact); auto: what runs fastest here (default)")  # fmt: skip
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="KV blocks: the model's dtype (auto) or int8 with a scale per token "
+                        "and head (0.27 of float32's bytes in memory, the pool and transfers)")  # fmt: skip
     p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size, e.g. 512MiB, 1GiB")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -162,6 +165,7 @@ def engine_config(args: argparse.Namespace):
     from kvpool.config import EngineConfig
 
     return EngineConfig(model=args.model, dtype=args.dtype, weights=args.weights,
+                        kv_cache_dtype=args.kv_cache_dtype,
                         block_size=args.block_size,
                         kv_cache_memory_bytes=args.kv_cache_memory,
                         max_num_seqs=args.max_num_seqs,

@@ -14,6 +14,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from kvpool.model.kv_quant import dequantize_kv, quantize_kv
+
 
 @dataclass(slots=True)
 class PrefillSeq:
@@ -43,7 +45,10 @@ class AttentionMetadata:
 def write_kv(
     kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
 ) -> None:
-    """Scatter this step's keys/values ([T, Hkv, D]) into one layer's cache slots."""
+    """Scatter this step's keys/values ([T, Hkv, D]) into one layer's cache slots (quantized
+    first into an int8 cache: ``kv_quant.py``)."""
+    if kv_layer.dtype == torch.int8:
+        k, v = quantize_kv(k), quantize_kv(v)
     kv_layer[:, 0].index_put_((meta.slot_blocks, meta.slot_offsets), k)
     kv_layer[:, 1].index_put_((meta.slot_blocks, meta.slot_offsets), v)
 
@@ -78,9 +83,12 @@ def paged_attention(
     return out.view(num_tokens, num_heads * head_dim)
 
 
-def _gather(kv_layer: torch.Tensor, flat_table: torch.Tensor, which: int) -> torch.Tensor:
+def _gather(kv_layer: torch.Tensor, flat_table: torch.Tensor, which: int,
+            dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
     """Blocks ``flat_table`` ([n]) of keys (0) or values (1) as [n * block_size, Hkv, D]."""
     g = torch.index_select(kv_layer[:, which], 0, flat_table)  # [n, bs, Hkv, D], contiguous
+    if g.dtype == torch.int8:
+        g = dequantize_kv(g, dtype)
     return g.flatten(0, 1)
 
 
@@ -89,9 +97,11 @@ def _decode_attention(
 ) -> torch.Tensor:
     batch, _max_blocks = block_table.shape
     flat = block_table.flatten()
-    kv_heads, head_dim = kv_layer.shape[-2:]
-    keys = _gather(kv_layer, flat, 0).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
-    values = _gather(kv_layer, flat, 1).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
+    kv_heads, head_dim = kv_layer.shape[-2], q.shape[-1]  # int8 rows are wider than head_dim
+    keys, values = (
+        _gather(kv_layer, flat, i, q.dtype).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
+        for i in (0, 1)
+    )
     # One query per sequence: fold each KV head's query group into the query-length axis
     # ([B, Hkv, G, D]), which needs no GQA expansion and runs ~2x faster than enable_gqa.
     qg = q.view(batch, kv_heads, -1, head_dim)
@@ -108,8 +118,8 @@ def _prefill_attention(
         values = v[seq.start : seq.end]
     else:
         ctx = seq.mask.shape[1]
-        keys = _gather(kv_layer, seq.block_table, 0)[:ctx]
-        values = _gather(kv_layer, seq.block_table, 1)[:ctx]
+        keys = _gather(kv_layer, seq.block_table, 0, q.dtype)[:ctx]
+        values = _gather(kv_layer, seq.block_table, 1, q.dtype)[:ctx]
     keys = keys.transpose(0, 1).unsqueeze(0)
     values = values.transpose(0, 1).unsqueeze(0)
     o = F.scaled_dot_product_attention(

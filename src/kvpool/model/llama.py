@@ -70,12 +70,16 @@ class LlamaModel:
         """``weight_format``: the linear layers' (``weight_formats.py``); ``source``: the
         model's file, whose own quantized blocks are used where the format allows."""
         weight_format = resolve(weight_format, cfg, dtype, source)
-        if kv_cache_dtype != "auto":
-            raise NotImplementedError(f"kv_cache_dtype={kv_cache_dtype!r} is not implemented yet")
+        if kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {kv_cache_dtype!r}")
         self.cfg = cfg
         self.dtype = dtype
         self.weight_format = weight_format
-        self.kv_format = str(dtype).removeprefix("torch.")
+        self.kv_dtype = torch.int8 if kv_cache_dtype == "int8" else dtype
+        # in the KV namespace: float and int8 blocks never share keys
+        self.kv_format = (
+            "int8-tokscale" if kv_cache_dtype == "int8" else str(dtype).removeprefix("torch.")
+        )
         w = {k: t.to(dtype) for k, t in weights.items()}
         make = LinearFactory(weight_format, w, cfg, dtype, source)
         self.embed = w["model.embed_tokens.weight"].contiguous()
@@ -85,6 +89,7 @@ class LlamaModel:
         self.layers = [
             _Layer(make, w, f"model.layers.{i}.", cfg.attention_bias) for i in range(cfg.num_layers)
         ]
+        self.weights_exact = make.exact
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
@@ -110,9 +115,9 @@ class LlamaModel:
         return fused
 
     def fingerprint(self, file_fingerprint: str) -> str:
-        """The fingerprint of the weights as computed with (KV from other weight formats
-        differs slightly, so it must not share keys): the file's for float32."""
-        if self.weight_format == "float32":
+        """The fingerprint of the weights as computed with: the file's, unless the format
+        changed them (blocks quantized here: their KV differs, so it must not share keys)."""
+        if self.weights_exact:
             return file_fingerprint
         return f"{file_fingerprint}|w-{self.weight_format}"
 

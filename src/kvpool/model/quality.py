@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import torch
 
 from kvpool.model.attention import AttentionMetadata, PrefillSeq
+from kvpool.model.kv_layout import kv_shape
 from kvpool.model.linear import BlockLinear
 from kvpool.model.llama import LlamaModel
 
@@ -42,20 +43,28 @@ def block_path(model: LlamaModel) -> Iterator[LlamaModel]:
 
 
 @torch.inference_mode()
-def next_token_logprobs(model: LlamaModel, ids: list[int], block: int = 16) -> torch.Tensor:
-    """Log-probabilities ``[len(ids) - 1, vocab]`` of each next token, from one causal pass
-    over ``ids`` (a scratch KV cache of its own)."""
-    n, c = len(ids), model.cfg
+def next_token_logprobs(model: LlamaModel, ids: list[int], chunk: int = 0,
+                        block: int = 16) -> torch.Tensor:  # fmt: skip
+    """Log-probabilities ``[len(ids) - 1, vocab]`` of each next token, from a causal pass over
+    ``ids`` with a scratch KV cache of the model's KV format. ``chunk``: tokens per forward
+    (0: all at once); every chunk after the first reads the earlier tokens' keys and values
+    from the cache, as a chunked prefill or a decode does (what an int8 cache costs)."""
+    n = len(ids)
     if n < 2:
         raise ValueError("need at least two tokens")
     num_blocks = -(-n // block) + 1
-    kv = torch.zeros(num_blocks, c.num_layers, 2, block, c.num_kv_heads, c.head_dim,
-                     dtype=model.dtype)  # fmt: skip
+    kv = torch.zeros(kv_shape(model.cfg, num_blocks, block, model.kv_dtype), dtype=model.kv_dtype)
     table = torch.arange(1, num_blocks)
-    pos = torch.arange(n)
-    meta = AttentionMetadata(table[pos // block], pos % block, 0, None, None, None,
-                             [PrefillSeq(0, n, 0, table, None)])  # fmt: skip
-    hidden = model.forward(torch.tensor(ids), pos, meta, kv)[:-1]
+    step = chunk or n
+    outs = []
+    for start in range(0, n, step):
+        end = min(n, start + step)
+        pos = torch.arange(start, end)
+        mask = None if start == 0 else torch.arange(end).unsqueeze(0) <= pos.unsqueeze(1)
+        seq = PrefillSeq(0, end - start, start, table[: -(-end // block)], mask)
+        meta = AttentionMetadata(table[pos // block], pos % block, 0, None, None, None, [seq])
+        outs.append(model.forward(torch.tensor(ids[start:end]), pos, meta, kv))
+    hidden = torch.cat(outs)[:-1]
     parts = [torch.log_softmax(model.logits(hidden[i : i + _ROWS]), dim=-1)
              for i in range(0, n - 1, _ROWS)]  # fmt: skip
     return torch.cat(parts)

@@ -77,6 +77,9 @@ class LinearFactory:
         if fmt not in FORMATS:
             raise ValueError(f"weight format must be one of {FORMATS}, got {fmt!r}")
         self.fmt, self.w, self.cfg = fmt, weights, cfg
+        # every block is the file's own: the model computes what the float32 one does (to
+        # float rounding), so its KV is the float32 model's and shares its keys
+        self.exact = True
         self.kernels = None
         self.blocks: dict[str, BlockWeights] = {}
         if fmt == "float32":
@@ -97,9 +100,13 @@ class LinearFactory:
             self.blocks = gguf_blocks(Path(source), cfg)
 
     def _take(self, name: str, kind: str) -> BlockWeights:
-        """The file's own blocks of ``name`` if they are of ``kind``, else quantized here."""
+        """The file's own blocks of ``name`` if they are of ``kind``, else quantized here
+        (which makes the model another one: ``exact`` turns false)."""
         bw = self.blocks.get(name)
-        return bw if bw is not None and bw.kind == kind else quantize(self.w[name], kind)
+        if bw is not None and bw.kind == kind:
+            return bw
+        self.exact = False
+        return quantize(self.w[name], kind)
 
     def dense(self, names: list[str], bias: list[str] | None = None):
         """The layer computing the rows of ``names`` stacked (fused q/k/v, gate/up)."""

@@ -83,7 +83,7 @@ def kvpool_engine(master: str | None, prompts: list[list[int]]) -> tuple[list[li
     if master:
         client = StoreClient(master, TransferConfig(spin_us=0))
         conn = StoreConnector(client, async_load=False, fetch_policy=False, direct=False)
-    llm = LLM(connector=conn, num_threads=2, weights="float32")  # vLLM computes in float32
+    llm = LLM(connector=conn, num_threads=2)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outs = [list(llm.generate([p], params)[0].outputs[0].token_ids) for p in prompts]
     if conn is not None:

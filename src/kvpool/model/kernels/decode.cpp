@@ -6,7 +6,9 @@
 // still runs prefill chunks and mixed steps.
 #include "kernels.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 
 namespace kvpool {
 namespace {
@@ -35,6 +37,31 @@ void rope(float* x, int64_t heads, int64_t d, const float* cos, const float* sin
       v[i + half] = b * cos[i + half] + a * sin[i + half];
     }
   }
+}
+
+// One token's keys (or values) of every KV head into its cache slot: as they are into a float
+// cache, as D int8 values and a float32 scale per head into an int8 one (kv_quant.py).
+void store_row(const float* x, int64_t heads, int64_t d, float* slot) {
+  std::copy(x, x + heads * d, slot);
+}
+
+void store_row(const float* x, int64_t heads, int64_t d, int8_t* slot) {
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* v = x + h * d;
+    int8_t* out = slot + h * (d + 4);
+    float amax = 0.f;
+    for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(v[i]));
+    const float scale = amax / 127.f;
+    for (int64_t i = 0; i < d; ++i) out[i] = static_cast<int8_t>(std::nearbyint(amax > 0.f ? v[i] / scale : 0.f));
+    std::memcpy(out + d, &scale, sizeof(float));
+  }
+}
+
+template <typename KV>
+void store_kv(const float* row, int64_t qsize, int64_t kv_heads, int64_t d, KV* slot,
+              int64_t kv_stride) {
+  store_row(row + qsize, kv_heads, d, slot);                            // keys
+  store_row(row + qsize + kv_heads * d, kv_heads, d, slot + kv_stride);  // values
 }
 
 void silu_mul(const float* gu, float* out, int64_t rows, int64_t inter) {
@@ -110,14 +137,16 @@ torch::Tensor DecodeModel::forward(torch::Tensor h, torch::Tensor positions,
                                    torch::Tensor lens, torch::Tensor slot_blocks,
                                    torch::Tensor slot_offsets) {
   const int64_t B = h.size(0), hidden = h.size(1), d = head_dim_;
-  const int64_t qsize = heads_ * d, kvsize = kv_heads_ * d;
+  const int64_t qsize = heads_ * d;
   TORCH_CHECK(h.scalar_type() == torch::kFloat && h.is_contiguous() && h.dim() == 2,
               "h must be a contiguous float32 [B, hidden] tensor");
+  const bool q8 = kv_cache.scalar_type() == torch::kChar;
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 6 &&
-                  kv_cache.scalar_type() == torch::kFloat &&
+                  (q8 || kv_cache.scalar_type() == torch::kFloat) &&
                   kv_cache.size(1) == static_cast<int64_t>(layers_.size()) &&
-                  kv_cache.size(4) == kv_heads_ && kv_cache.size(5) == d,
-              "kv_cache must be a contiguous float32 [blocks, layers, 2, bs, kv_heads, d]");
+                  kv_cache.size(4) == kv_heads_ && kv_cache.size(5) == d + (q8 ? 4 : 0),
+              "kv_cache must be a contiguous float32 [blocks, layers, 2, bs, kv_heads, d] "
+              "(or int8 with d + 4 bytes per row)");
   for (const auto* t : {&positions, &slot_blocks, &slot_offsets})
     TORCH_CHECK(t->scalar_type() == torch::kLong && t->is_contiguous() && t->numel() == B,
                 "positions and slots must be contiguous int64 [B] tensors");
@@ -132,7 +161,6 @@ torch::Tensor DecodeModel::forward(torch::Tensor h, torch::Tensor positions,
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   const float* cs = cos_.data_ptr<float>();
   const float* sn = sin_.data_ptr<float>();
-  float* kvp = kv_cache.data_ptr<float>();
   const auto st = kv_cache.strides();
   auto x = torch::empty_like(h);
   auto q = torch::empty({B, heads_, d}, h.options());
@@ -149,9 +177,12 @@ torch::Tensor DecodeModel::forward(torch::Tensor h, torch::Tensor positions,
       float* r = qkvp + b * row;
       rope(r, heads_ + kv_heads_, d, cs + pos[b] * d, sn + pos[b] * d);  // q and k
       std::copy(r, r + qsize, q.data_ptr<float>() + b * qsize);
-      float* slot = kvp + sb[b] * st[0] + li * st[1] + so[b] * st[3];
-      std::copy(r + qsize, r + qsize + kvsize, slot);               // keys
-      std::copy(r + qsize + kvsize, r + qsize + 2 * kvsize, slot + st[2]);  // values
+      const int64_t at = sb[b] * st[0] + li * st[1] + so[b] * st[3];
+      if (q8) {
+        store_kv(r, qsize, kv_heads_, d, kv_cache.data_ptr<int8_t>() + at, st[2]);
+      } else {
+        store_kv(r, qsize, kv_heads_, d, kv_cache.data_ptr<float>() + at, st[2]);
+      }
     }
     torch::Tensor a = paged_decode_attention(q, kv_cache.select(1, li), block_table, lens,
                                              scale);

@@ -3,12 +3,18 @@
 // One query token per sequence. Each (sequence, KV head) pair is one task: the task reads the
 // sequence's keys and values block by block where they lie in the cache, once each, for all
 // query heads of its group (GQA), so shared prefix blocks stay hot in cache across sequences.
+//
+// An int8 cache (kv_cache_dtype="int8", model/kv_quant.py) holds each token's head as D signed
+// bytes then its float32 scale (4 bytes): a key's score is scale * (q . k), a value's weight
+// in the sum is its probability times its scale.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -35,6 +41,18 @@ inline void axpy(float a, const T* v, float* acc, int64_t d) {
   for (int64_t i = 0; i < d; ++i) acc[i] += a * static_cast<float>(v[i]);
 }
 
+// The factor of a stored row: 1 for float rows, the trailing float32 scale of int8 rows.
+template <typename KV>
+inline float row_scale(const KV* row, int64_t d) {
+  if constexpr (std::is_same_v<KV, int8_t>) {
+    float scale;
+    std::memcpy(&scale, row + d, sizeof(float));
+    return scale;
+  } else {
+    return 1.f;
+  }
+}
+
 struct Shape {
   int64_t batch, q_heads, kv_heads, head_dim, block_size, max_blocks;
   int64_t s_block, s_kv, s_tok, s_head;  // strides of the [blocks, 2, bs, Hkv, D] layer view
@@ -56,7 +74,7 @@ void task_scores(const float* qf, const T* kv, const int64_t* blocks, int64_t le
         const T* k = kb + t * s.s_tok + hh * s.s_head;
         for (int64_t g = 0; g < group; ++g) {
           const int64_t r = hh * group + g;
-          scores[r * len + t0 + t] = dot(qf + r * d, k, d);
+          scores[r * len + t0 + t] = dot(qf + r * d, k, d) * row_scale(k, d);
         }
       }
   }
@@ -90,13 +108,14 @@ void task_values(const float* probs, const T* kv, const int64_t* blocks, int64_t
       for (int64_t hh = 0; hh < heads; ++hh)
         for (int64_t g = 0; g < group; ++g) {
           const int64_t r = hh * group + g;
-          axpy(probs[r * len + t0 + t], vb + t * s.s_tok + hh * s.s_head, acc + r * d, d);
+          const T* v = vb + t * s.s_tok + hh * s.s_head;
+          axpy(probs[r * len + t0 + t] * row_scale(v, d), v, acc + r * d, d);
         }
   }
 }
 
-template <typename T>
-void decode(const T* q, const T* kv, const int64_t* table, const int64_t* lens, T* out,
+template <typename T, typename KV>
+void decode(const T* q, const KV* kv, const int64_t* table, const int64_t* lens, T* out,
             const Shape& s) {
   const int64_t group = s.q_heads / s.kv_heads, d = s.head_dim;
   // A task is a whole sequence when there are enough of them to keep every thread busy
@@ -131,7 +150,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_layer,
   TORCH_CHECK(kv_layer.dim() == 5 && kv_layer.size(1) == 2, "kv_layer must be [N, 2, BS, H, D]");
   TORCH_CHECK(kv_layer.stride(4) == 1 && kv_layer.stride(3) == kv_layer.size(4),
               "kv_layer heads must be contiguous");
-  TORCH_CHECK(q.scalar_type() == kv_layer.scalar_type(), "q and kv dtypes differ");
+  const bool q8 = kv_layer.scalar_type() == torch::kChar;  // int8 rows: D bytes + a scale
+  TORCH_CHECK(q8 || q.scalar_type() == kv_layer.scalar_type(), "q and kv dtypes differ");
   TORCH_CHECK(block_table.scalar_type() == torch::kLong && block_table.is_contiguous() &&
                   block_table.dim() == 2 && block_table.size(0) == q.size(0),
               "block_table must be a contiguous int64 [B, max_blocks] tensor");
@@ -140,7 +160,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_layer,
   Shape s{q.size(0), q.size(1), kv_layer.size(3), q.size(2), kv_layer.size(2),
           block_table.size(1), kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2),
           kv_layer.stride(3), static_cast<float>(scale)};
-  TORCH_CHECK(s.head_dim == kv_layer.size(4) && s.q_heads % s.kv_heads == 0, "bad head shapes");
+  TORCH_CHECK(s.head_dim + (q8 ? 4 : 0) == kv_layer.size(4) && s.q_heads % s.kv_heads == 0,
+              "bad head shapes");
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t* tp = block_table.data_ptr<int64_t>();
   for (int64_t b = 0; b < s.batch; ++b) {
@@ -151,8 +172,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_layer,
   }
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode_attention", [&] {
-    decode<scalar_t>(q.data_ptr<scalar_t>(), kv_layer.data_ptr<scalar_t>(), tp, lp,
-                     out.data_ptr<scalar_t>(), s);
+    if (q8) {
+      decode<scalar_t, int8_t>(q.data_ptr<scalar_t>(), kv_layer.data_ptr<int8_t>(), tp, lp,
+                               out.data_ptr<scalar_t>(), s);
+    } else {
+      decode<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), kv_layer.data_ptr<scalar_t>(), tp, lp,
+                                 out.data_ptr<scalar_t>(), s);
+    }
   });
   return out;
 }
