@@ -8,6 +8,7 @@ import sys
 from kvpool import __version__
 from kvpool.entrypoints import bench as bench_cli
 from kvpool.entrypoints import conductor as conductor_cli
+from kvpool.entrypoints import roofline as roofline_cli
 from kvpool.entrypoints import serve as cli_serve
 from kvpool.entrypoints import store as store_cli
 from kvpool.entrypoints import transfer as transfer_cli
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker_cli.add_parser(subparsers)
     conductor_cli.add_parser(subparsers)
     bench_cli.add_parser(subparsers)
+    roofline_cli.add_parser(subparsers)
     return parser
 
 

@@ -28,7 +28,7 @@ ROWS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes tried, in order
 _ENV = "KVPOOL_SMALL_ROWS"
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -39,7 +39,7 @@ def _cpu_name() -> str:
 
 
 def _key(kind: str, k: int, n: int) -> str:
-    return f"{_cpu_name()}|torch-{torch.__version__}|t{torch.get_num_threads()}|{kind}|{k}x{n}"
+    return f"{cpu_name()}|torch-{torch.__version__}|t{torch.get_num_threads()}|{kind}|{k}x{n}"
 
 
 def _time(fn, reps: int = 3) -> float:

@@ -114,6 +114,12 @@ class LlamaModel:
                              "ln_attn": layer.ln_attn, "ln_mlp": layer.ln_mlp})  # fmt: skip
         return fused
 
+    def linears(self):
+        """Every linear layer: the head, then each layer's q/k/v, o, gate/up and down."""
+        yield self.lm_head
+        for layer in self.layers:
+            yield from (layer.qkv, layer.o, layer.gate_up, layer.down)
+
     def fingerprint(self, file_fingerprint: str) -> str:
         """The fingerprint of the weights as computed with: the file's, unless the format
         changed them (blocks quantized here: their KV differs, so it must not share keys)."""

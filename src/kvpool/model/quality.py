@@ -23,16 +23,10 @@ from kvpool.model.llama import LlamaModel
 _ROWS = 256  # logits computed this many positions at a time (vocab-sized rows are big)
 
 
-def _linears(model: LlamaModel) -> Iterator[object]:
-    yield model.lm_head
-    for layer in model.layers:
-        yield from (layer.qkv, layer.o, layer.gate_up, layer.down)
-
-
 @contextmanager
 def block_path(model: LlamaModel) -> Iterator[LlamaModel]:
     """Every batch of ``model`` through the block kernel while inside (a no-op for float32)."""
-    saved = [(lin, lin.small_rows) for lin in _linears(model) if isinstance(lin, BlockLinear)]
+    saved = [(lin, lin.small_rows) for lin in model.linears() if isinstance(lin, BlockLinear)]
     try:
         for lin, _ in saved:
             lin.small_rows = 1 << 30
