@@ -21,22 +21,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Results, log
 
-from kvpool import LLM, SamplingParams
 from kvpool.model.llama import LlamaModel
 from kvpool.model.loader import load_model
-from kvpool.model.quality import block_path, next_token_logprobs
+from kvpool.model.quality import (
+    block_path,
+    greedy_runs,
+    next_token_logprobs,
+    tokens_before_parting,
+)
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "alice_ch1.txt"
-PROMPTS = [
-    "Write a short story about a robot who learns to paint.",
-    "Explain how a hash table works.",
-    "What are the main causes of the French Revolution?",
-    "Give me a recipe for pancakes.",
-    "Describe the water cycle to a ten-year-old.",
-    "def quicksort(xs):",
-    "List five facts about the Moon.",
-    "Why is the sky blue?",
-]
 FORMATS = [("q4", "auto"), ("int8", "auto"), ("float32", "int8")]  # (weights, KV)
 
 
@@ -64,23 +58,10 @@ def perplexities(res: Results, loaded, ids: list[int]) -> None:
 
 
 def greedy(res: Results, loaded, n: int, new: int) -> None:
-    tok = loaded.tokenizer
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
-               for p in PROMPTS[:n]]  # fmt: skip
-    sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    outs = {}
-    for weights, kv in [("float32", "auto"), *FORMATS]:
-        log(f"greedy: {n} x {new} tokens, weights {weights}, KV {kv}")
-        llm = LLM(loaded_model=loaded, weights=weights, kv_cache_dtype=kv,
-                  kv_cache_memory_bytes="256MiB")  # fmt: skip
-        outs[(weights, kv)] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-        llm.engine.close()
-    ref = outs[("float32", "auto")]
+    log(f"greedy: {n} prompts x {new} tokens, float32 and {len(FORMATS)} formats")
+    runs = greedy_runs(loaded, [("float32", "auto"), *FORMATS], n, new)["tokens"]
     for weights, kv in FORMATS:
-        agree = []
-        for a, b in zip(ref, outs[(weights, kv)], strict=True):
-            agree.append(next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y),
-                              len(a)))  # fmt: skip
+        agree = tokens_before_parting(runs[("float32", "auto")], runs[(weights, kv)])
         tag = f"{weights}_kv{kv}"
         res.figure(f"greedy_{tag}_equal_sequences", sum(a == new for a in agree))
         res.figure(f"greedy_{tag}_mean_tokens_before_parting", sum(agree) / len(agree))

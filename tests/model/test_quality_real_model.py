@@ -10,24 +10,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpool import LLM, SamplingParams
+from kvpool import LLM
 from kvpool.model.kernels import kernels
 from kvpool.model.llama import LlamaModel
-from kvpool.model.quality import agreement, block_path, next_token_logprobs
+from kvpool.model.quality import (
+    agreement,
+    block_path,
+    greedy_runs,
+    next_token_logprobs,
+    tokens_before_parting,
+)
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(kernels() is None, reason="no C++ compiler for the kernels")]  # fmt: skip
 TEXT = Path(__file__).parents[1] / "data" / "alice_ch1.txt"
-PROMPTS = [
-    "Write a short story about a robot who learns to paint.",
-    "Explain how a hash table works.",
-    "What are the main causes of the French Revolution?",
-    "Give me a recipe for pancakes.",
-    "Describe the water cycle to a ten-year-old.",
-    "def quicksort(xs):",
-    "List five facts about the Moon.",
-    "Why is the sky blue?",
-]
 
 
 @pytest.fixture(scope="module")
@@ -59,25 +55,14 @@ def test_greedy_tokens_agree_with_float32(real_model, reference):
     """8 prompts x 256 greedy tokens from the quantized engine (``weights="auto"``, q4 here)
     against the float32 engine's: the length they agree for, and how often the quantized model
     picks float32's token when both read float32's text (teacher forcing)."""
-    tok = real_model.tokenizer
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
-               for p in PROMPTS]  # fmt: skip
-    sp = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
-    outs = {}
-    for fmt in ("float32", "auto"):
-        llm = LLM(loaded_model=real_model, weights=fmt, kv_cache_memory_bytes="256MiB")
-        assert llm.engine.model.weight_format == ("float32" if fmt == "float32" else "q4")
-        outs[fmt] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-        llm.engine.close()
-    common = []
-    for a, b in zip(outs["float32"], outs["auto"], strict=True):
-        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-        common.append(n)
+    runs = greedy_runs(real_model, [("float32", "auto"), ("auto", "auto")], 8, 256)
+    prompts, outs = runs["prompts"], runs["tokens"]
+    common = tokens_before_parting(outs[("float32", "auto")], outs[("auto", "auto")])
     quant = LlamaModel(real_model.config, real_model.weights, torch.float32, "q4",
                        source=real_model.path)  # fmt: skip
     rates = []  # where the answers part, is it one near-tie or a different model?
     with block_path(quant):
-        for p, ref, n in zip(prompts, outs["float32"], common, strict=True):
+        for p, ref, n in zip(prompts, outs[("float32", "auto")], common, strict=True):
             if n < 256:
                 rates.append(agreement(quant, reference, p + ref, len(p))["top1_agreement"])
     print(f"\nq4 vs float32 greedy: equal for {common} of 256 tokens; teacher-forced top-1 "

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from kvpool.model.autotune import cpu_name
+from kvpool.model.autotune import best_time, cpu_name
 from kvpool.model.cache import cache_root
 from kvpool.model.kv_quant import row_width
 from kvpool.model.linear import BlockLinear
@@ -85,24 +84,14 @@ class RooflineRow:
         return self.bound if self.share >= 0.5 else "neither (overhead)"
 
 
-def _best(fn, reps: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def measure_machine(kernels=None) -> MachineLimits:
     """Read and copy bandwidth, float32 GEMM rate and the block kernel's rate, measured now."""
     n = BANDWIDTH_BYTES // 4
     src, dst = torch.ones(n), torch.empty(n)
-    read = _best(lambda: src.sum())
-    copy = _best(lambda: dst.copy_(src))
+    read = best_time(lambda: src.sum(), reps=5)
+    copy = best_time(lambda: dst.copy_(src), reps=5)
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    gemm = _best(lambda: torch.mm(a, b))
+    gemm = best_time(lambda: torch.mm(a, b))
     block: dict[int, float] = {}
     if kernels is not None:
         from kvpool.model.autotune import ROWS
@@ -111,7 +100,7 @@ def measure_machine(kernels=None) -> MachineLimits:
         w = quantize(torch.randn(3072, 1024) * 0.02, "q4")  # 1.9 MB: cache-resident
         for rows in ROWS:
             x = torch.randn(rows, 1024)
-            t = _best(lambda x=x: kernels.qlinear(x, w.qs, w.d, w.m))
+            t = best_time(lambda x=x: kernels.qlinear(x, w.qs, w.d, w.m))
             block[rows] = 2 * rows * 3072 * 1024 / t / 1e9
     return MachineLimits(cpu_name(), torch.get_num_threads(), BANDWIDTH_BYTES / read / 1e9,
                          2 * BANDWIDTH_BYTES / copy / 1e9, 2 * 1024**3 / gemm / 1e9, block)  # fmt: skip

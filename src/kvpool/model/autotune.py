@@ -42,8 +42,9 @@ def _key(kind: str, k: int, n: int) -> str:
     return f"{cpu_name()}|torch-{torch.__version__}|t{torch.get_num_threads()}|{kind}|{k}x{n}"
 
 
-def _time(fn, reps: int = 3) -> float:
-    fn()  # warm-up
+def best_time(fn, reps: int = 3) -> float:
+    """The fastest of ``reps`` timed calls of ``fn``, after one untimed (warm-up)."""
+    fn()
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -61,8 +62,8 @@ def measure_small_rows(kernels: ModuleType, kind: str, k: int, n: int) -> int:
     limit = 0
     for rows in ROWS:
         x = torch.randn(rows, k, generator=g)
-        blocks = _time(lambda x=x: kernels.qlinear(x, bw.qs, bw.d, bw.m))
-        dense = _time(lambda x=x: torch.mm(x, w_t))
+        blocks = best_time(lambda x=x: kernels.qlinear(x, bw.qs, bw.d, bw.m))
+        dense = best_time(lambda x=x: torch.mm(x, w_t))
         if blocks >= dense:
             break
         limit = rows
