@@ -193,7 +193,7 @@ def test_failed_step_forgets_blocks_it_registered(tiny_engine_factory, monkeypat
     eng = tiny_engine_factory()
     p = prompts()[0]
 
-    def boom(chunks):
+    def boom(chunks, copies=()):
         raise RuntimeError("injected")
 
     monkeypatch.setattr(eng.runner, "execute", boom)

@@ -25,8 +25,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 def llm():
     # float32 weights: the engine's logic against transformers on the very same arithmetic
     # (the quantized formats' own figures: tests/model/test_quality_real_model.py)
-    return LLM(dtype="float32", weights="float32", kv_cache_memory_bytes="256MiB",
-               max_num_batched_tokens=512)
+    return LLM(
+        dtype="float32",
+        weights="float32",
+        kv_cache_memory_bytes="256MiB",
+        max_num_batched_tokens=512,
+    )
 
 
 @pytest.fixture(scope="module")

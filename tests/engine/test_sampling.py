@@ -54,7 +54,14 @@ def test_seed_reproduces_and_temperature_spreads():
         {"top_p": 1.5},
         {"top_k": -2},
         {"max_tokens": 0},
-        {"n": 2},
+        {"n": 0},
+        {"n": 17},
+        {"n": True},
+        {"logprobs": -1},
+        {"logprobs": 21},
+        {"prompt_logprobs": 21},
+        {"logprobs": 1.5},
+        {"seed": 2**64},
         {"stop": [""]},
         {"stop_token_ids": [-1]},
         {"min_tokens": -1},
@@ -63,6 +70,20 @@ def test_seed_reproduces_and_temperature_spreads():
 def test_bad_params_are_rejected(kwargs):
     with pytest.raises(BadRequestError):
         SamplingParams(**kwargs)
+
+
+def test_limits_are_accepted():
+    p = SamplingParams(n=16, logprobs=20, prompt_logprobs=0, seed=-(2**63))
+    assert (p.n, p.logprobs, p.prompt_logprobs) == (16, 20, 0)
+
+
+def test_sequence_seeds_are_seed_plus_index_wrapped():
+    from kvpool.engine.sampling import sequence_seed
+
+    assert sequence_seed(None, 3) is None
+    assert [sequence_seed(7, i) for i in range(3)] == [7, 8, 9]
+    assert sequence_seed(2**64 - 1, 1) == 0  # torch takes seeds up to 2**64 - 1
+    make_generator(sequence_seed(2**64 - 1, 2))
 
 
 def test_stop_accepts_a_string():

@@ -159,9 +159,9 @@ class AsyncLLMEngine:
             if rid in self.engine.requests:
                 out = self.engine.abort_request(rid)
             else:
-                out = RequestOutput(
-                    rid, add.prompt, add.token_ids, [CompletionOutput(0, "", [], "error")], True
-                )
-            out.outputs[0].finish_reason = "error"
+                outs = [CompletionOutput(i, "", []) for i in range(add.params.n)]
+                out = RequestOutput(rid, add.prompt, add.token_ids, outs, True)
+            for o in out.outputs:
+                o.finish_reason = "error"
             out.error = f"engine step failed: {err}"
             add.loop.call_soon_threadsafe(add.sink.put_nowait, out)

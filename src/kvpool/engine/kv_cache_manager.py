@@ -1,4 +1,6 @@
-"""Maps requests to KV blocks: prefix-cache lookup, slot allocation, caching full blocks."""
+"""Maps requests to KV blocks: prefix-cache lookup, slot allocation, caching full blocks, and
+the blocks the sequences of one request share (``fork``; copy-on-write of a shared partial
+block when a sequence is about to write into it)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ class KVCacheManager:
         self.hash_seed = hash_seed
         self._blocks: dict[str, list[KVBlock]] = {}
         self._num_registered: dict[str, int] = {}  # leading blocks already offered to the cache
+        self.copies: list[tuple[int, int]] = []  # (src, dst) block copies the next step must make
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -75,7 +78,8 @@ class KVCacheManager:
         free_hits = sum(1 for b in prefix if b.ref_cnt == 0)
         base = len(prefix) * self.block_size if prefix else req.num_computed_tokens
         total_tokens = base + num_external + num_new_tokens
-        need = self.blocks_needed(total_tokens) - len(have) - len(prefix)
+        shared = None if prefix else self._shared_tail(req, have)
+        need = self.blocks_needed(total_tokens) - len(have) - len(prefix) + (shared is not None)
         if need > 0 and need + free_hits > self.pool.num_free_blocks:
             return None
         if prefix:
@@ -84,9 +88,40 @@ class KVCacheManager:
             have.extend(prefix)
         new = self.pool.allocate(need) if need > 0 else []
         assert new is not None
-        have.extend(new)
+        if shared is not None:  # copy-on-write: this sequence gets its own copy to write into
+            i, src = shared
+            have[i] = new[0]
+            self.copies.append((src.block_id, new[0].block_id))
+            self.pool.free([src])
+            have.extend(new[1:])
+        else:
+            have.extend(new)
         req.block_ids = [b.block_id for b in have]
         return new
+
+    def _shared_tail(self, req: Request, have: list[KVBlock]) -> tuple[int, KVBlock] | None:
+        """The partly computed block ``req`` writes into next, if other sequences share it
+        (full blocks are never written again, so only this one can need a copy)."""
+        pos = req.num_computed_tokens
+        i = pos // self.block_size
+        if pos % self.block_size == 0 or i >= len(have) or have[i].ref_cnt < 2:
+            return None
+        return i, have[i]
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """``child`` shares every block of ``parent`` (one more reference each): the full ones
+        for good, a partial last one until either of them writes into it (``allocate``)."""
+        blocks = self._blocks.get(parent.request_id, [])
+        assert child.request_id not in self._blocks
+        self.pool.touch(blocks)
+        self._blocks[child.request_id] = list(blocks)
+        self._num_registered[child.request_id] = self._num_registered.get(parent.request_id, 0)
+        child.block_ids = list(parent.block_ids)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The block copies the step being scheduled must make before it writes any KV."""
+        out, self.copies = self.copies, []
+        return out
 
     def cache_full_blocks(self, req: Request, num_tokens: int | None = None) -> list[BlockRef]:
         """Register the full blocks among ``req``'s first ``num_tokens`` tokens (default: its
@@ -142,5 +177,8 @@ class KVCacheManager:
         """Release every block of ``req`` (tail first, so tails are evicted before heads)."""
         blocks = self._blocks.pop(req.request_id, [])
         self._num_registered.pop(req.request_id, None)
+        if self.copies:  # a copy into a block given back is not needed any more
+            gone = {b.block_id for b in blocks if b.ref_cnt == 1}
+            self.copies = [c for c in self.copies if c[1] not in gone]
         self.pool.free(list(reversed(blocks)))
         req.block_ids = []

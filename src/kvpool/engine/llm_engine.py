@@ -104,7 +104,8 @@ class LLMEngine:
         kernels = paged_kernels() if config.use_kernels else None
         self.runner = ModelRunner(self.model, self.kv_cache, bs, kernels)
         self.output = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # by request id (a request's first sequence)
+        self._child_ids: set[str] = set()  # ids reserved for the other sequences of requests
         self._saving: dict[int, int] = {}  # block id -> references held for connector saves
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -145,10 +146,12 @@ class LLMEngine:
     ) -> Request:
         """Queue a request; raises BadRequestError if it can never be served. ``kv_handle``:
         where a prefill worker holds the prompt's KV (``protocol.decode.KVHandle``; the
-        connector may read it from there)."""
-        if request_id in self.requests:
-            raise BadRequestError(f"request id {request_id!r} is already in use")
+        connector may read it from there). With ``params.n`` > 1 its sequences get the ids
+        ``child_id(request_id, i)``, reserved from now on."""
         params = params or SamplingParams()
+        children = [child_id(request_id, i) for i in range(1, params.n)]
+        if any(r in self.requests or r in self._child_ids for r in [request_id, *children]):
+            raise BadRequestError(f"request id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
         self.check_length(len(ids), params)
         req = Request(
@@ -157,6 +160,7 @@ class LLMEngine:
         req.kv_handle = kv_handle
         self.output.start(req)
         self.requests[request_id] = req
+        self._child_ids.update(children)
         self.scheduler.add(req)
         self.prompt_tokens += len(ids)
         self.publish()
@@ -167,13 +171,18 @@ class LLMEngine:
         check_context_length(num_prompt_tokens, params.max_tokens, self.max_model_len)
 
     def abort_request(self, request_id: str) -> RequestOutput:
-        """Stop a request and free its blocks; returns its final output (finish_reason abort)."""
-        req = self.requests.pop(request_id, None)
+        """Stop a request (every sequence of it) and free its blocks; returns its final output
+        (finish_reason abort for the sequences that had not finished)."""
+        req = self.requests.get(request_id)
         if req is None:
             raise NotFoundError(f"no request {request_id!r}")
-        self.scheduler.finish(req)
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = req.finish_reason or "abort"
+        if not req.is_finished and req.fork_pending:
+            req.finish_reason = req.finish_reason or "abort"  # the sequences never forked too
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = seq.finish_reason or "abort"
+                self._finish(seq)
+        self._end_group(req)
         self.publish()
         return self.output.make_output(req)
 
@@ -221,7 +230,7 @@ class LLMEngine:
             return []
         t0 = time.perf_counter()
         try:
-            tokens = self.runner.execute(sched.chunks)
+            result = self.runner.execute(sched.chunks, sched.copies)
         except BaseException:
             self.kv_manager.forget(sched.new_blocks)  # their KV was never written
             raise
@@ -230,24 +239,49 @@ class LLMEngine:
         self.step_times.append((prefill, decodes, time.perf_counter() - t0))
         self._save(sched.new_blocks)
         now = time.monotonic()
-        outs = []
-        it = iter(tokens)
-        for ch in sched.chunks:
+        groups: dict[str, Request] = {}  # requests with new tokens, in order
+        samples = iter(result.samples)
+        for i, ch in enumerate(sched.chunks):
             req = ch.request
             req.num_computed_tokens = ch.start + ch.num_tokens
+            if i in result.prompt_logprobs:
+                req.set_prompt_logprobs(ch.start + 1, result.prompt_logprobs[i])
             if not ch.completes:
                 continue
-            self.generation_tokens += 1
-            self.output.append(req, next(it), now)
-            if req.finish_reason is not None:
-                self._finish(req)
-            outs.append(self.output.make_output(req))
-        return outs
+            self.output.prompt_computed(req)
+            sampled = next(samples)
+            seqs = self._fork(req) if len(sampled.tokens) > 1 else [req]
+            lps = sampled.logprobs or [None] * len(seqs)
+            for seq, token, lp in zip(seqs, sampled.tokens, lps, strict=True):
+                self.generation_tokens += 1
+                self.output.append(seq, token, now, lp)
+                if seq.finish_reason is not None:
+                    self._finish(seq)
+            groups[req.group.request_id] = req.group
+        return [self.output.make_output(g) for g in groups.values()]
 
-    def _finish(self, req: Request) -> None:
-        req.status = RequestStatus.FINISHED
-        self.scheduler.finish(req)
+    def _fork(self, req: Request) -> list[Request]:
+        """``req``'s prompt is computed: it becomes ``n`` sequences sharing its blocks."""
+        seqs = [req]
+        for i in range(1, req.params.n):
+            child = req.fork(i, child_id(req.request_id, i))
+            self.kv_manager.fork(req, child)
+            self.output.start(child)
+            self.scheduler.add_forked(child)
+            seqs.append(child)
+        return seqs
+
+    def _finish(self, seq: Request) -> None:
+        seq.status = RequestStatus.FINISHED
+        self.scheduler.finish(seq)
+        group = seq.group
+        if group.group_finished():
+            self._end_group(group)
+
+    def _end_group(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
+        self._child_ids.difference_update(child_id(req.request_id, i)
+                                          for i in range(1, req.params.n))  # fmt: skip
 
     def _save(self, refs: list[BlockRef]) -> None:
         if not refs or not self.connector.saves:
@@ -301,4 +335,9 @@ class LLMEngine:
         self.connector.close()
 
 
-__all__ = ["EngineStats", "LLMEngine", "ScheduledChunk"]
+def child_id(request_id: str, index: int) -> str:
+    """The engine's id of sequence ``index`` > 0 of request ``request_id``."""
+    return f"{request_id}#{index}"
+
+
+__all__ = ["EngineStats", "LLMEngine", "ScheduledChunk", "child_id"]

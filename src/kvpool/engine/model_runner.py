@@ -1,4 +1,10 @@
-"""Turns a scheduled batch into one forward pass over the paged KV cache, then samples."""
+"""Turns a scheduled batch into one forward pass over the paged KV cache, then samples.
+
+Besides one token per completing chunk, a step gives ``n`` tokens for a request about to fork
+into ``n`` sequences (the same logits, each sequence's own generator), logprobs of the rows
+whose requests ask (``params.logprobs``), and, for a chunk of a prompt whose logprobs are
+asked (``params.prompt_logprobs``), the logprobs of the tokens after each of its positions.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvpool.engine.logprobs import PositionLogprobs, logprob_dicts, prompt_logprob_dicts
 from kvpool.engine.request import Request
 from kvpool.engine.sampling import sample
 from kvpool.model.attention import AttentionMetadata, PrefillSeq
@@ -27,6 +34,20 @@ class ScheduledChunk(NamedTuple):
     def completes(self) -> bool:
         """Whether this chunk reaches the request's last token (so a token is sampled)."""
         return self.start + self.num_tokens == self.request.num_tokens
+
+
+class Sampled(NamedTuple):
+    """What a completing chunk's last position gave: one token per sequence (``n`` when its
+    request forks now, else 1) and, when asked, their logprobs."""
+
+    tokens: list[int]
+    logprobs: list[PositionLogprobs] | None
+
+
+class StepResult(NamedTuple):
+    samples: list[Sampled]  # one per completing chunk, in chunk order
+    # chunk index -> logprobs of the prompt tokens at its positions + 1, + 2, ...
+    prompt_logprobs: dict[int, list[PositionLogprobs]]
 
 
 class StepInputs(NamedTuple):
@@ -106,12 +127,58 @@ class ModelRunner:
         return StepInputs(torch.tensor(ids, dtype=torch.long), positions, meta, sample_rows)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> list[int]:
-        """Run the step; return one sampled token per completing chunk, in order."""
+    def execute(
+        self, chunks: list[ScheduledChunk], copies: list[tuple[int, int]] = ()
+    ) -> StepResult:
+        """Copy blocks (copy-on-write of shared ones: ``(src, dst)``), run the step, sample."""
         inp = self.prepare(chunks)
+        if copies:
+            src, dst = (torch.tensor(x, dtype=torch.long) for x in zip(*copies, strict=True))
+            self.kv_cache[dst] = self.kv_cache[src]
         hidden = self.model.forward(inp.input_ids, inp.positions, inp.meta, self.kv_cache)
+        prompt_lps = self._prompt_logprobs(chunks, hidden)
         if not inp.sample_rows:
-            return []
+            return StepResult([], prompt_lps)
         logits = self.model.logits(hidden[inp.sample_rows])
         done = [ch.request for ch in chunks if ch.completes]
-        return sample(logits, [r.params for r in done], [r.generator for r in done])
+        return StepResult(self._sample(logits, done), prompt_lps)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[Sampled]:
+        widths = [r.params.n if r.fork_pending else 1 for r in reqs]
+        params, gens = [], []
+        for r, w in zip(reqs, widths, strict=True):
+            params += [r.params] * w
+            gens += [r.generator, *r.fork_generators[: w - 1]]
+        if len(params) > len(reqs):  # a request forks: its row, once per sequence
+            logits = logits[torch.repeat_interleave(torch.arange(len(reqs)),
+                                                    torch.tensor(widths))]  # fmt: skip
+        tokens = sample(logits, params, gens)
+        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+        lps: list[PositionLogprobs | None] = [None] * len(tokens)
+        if asked:
+            got = logprob_dicts(logits[asked], [tokens[i] for i in asked],
+                                [params[i].logprobs or 0 for i in asked])  # fmt: skip
+            for i, d in zip(asked, got, strict=True):
+                lps[i] = d
+        out, at = [], 0
+        for r, w in zip(reqs, widths, strict=True):
+            lp = lps[at : at + w] if r.params.logprobs is not None else None
+            out.append(Sampled(tokens[at : at + w], lp))  # type: ignore[arg-type]
+            at += w
+        return out
+
+    def _prompt_logprobs(self, chunks: list[ScheduledChunk],
+                         hidden: torch.Tensor) -> dict[int, list[PositionLogprobs]]:  # fmt: skip
+        """For chunks of prompts whose logprobs are asked: position j's logits give the
+        logprob of prompt token j + 1 (the prompt's last position is sampled instead)."""
+        out: dict[int, list[PositionLogprobs]] = {}
+        row = 0
+        for i, (req, start, n) in enumerate(chunks):
+            if req.needs_prompt_logprobs:
+                end = min(start + n, req.num_prompt_tokens - 1)
+                if end > start:
+                    k = req.params.prompt_logprobs or 0
+                    out[i] = prompt_logprob_dicts(self.model.logits, hidden[row : row + end - start],
+                                                  req.token_ids[start + 1 : end + 1], k)  # fmt: skip
+            row += n
+        return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvpool.engine.logprobs import PositionLogprobs, TokenDecoder
 from kvpool.engine.request import CompletionOutput, Request, RequestOutput
 from kvpool.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -14,21 +15,26 @@ class OutputProcessor:
         self.eos = frozenset(eos_token_ids or tokenizer.eos_token_ids)
         self.max_model_len = max_model_len
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.token_text = TokenDecoder(lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
 
     def start(self, req: Request) -> None:
         self._detok[req.request_id] = IncrementalDetokenizer(
             self.tokenizer, skip_special_tokens=req.params.skip_special_tokens
         )
 
-    def append(self, req: Request, token: int, now: float) -> None:
-        """Record one new token of ``req`` and set its finish reason if it should stop."""
+    def append(self, req: Request, token: int, now: float,
+               logprobs: PositionLogprobs | None = None) -> None:  # fmt: skip
+        """Record one new token of ``req`` (and its logprobs, when asked) and set its finish
+        reason if it should stop."""
         m = req.metrics
         if m.first_token_time is None:
             m.first_token_time = now
         elif m.last_token_time is not None:
             m.inter_token_latencies.append(now - m.last_token_time)
         m.last_token_time = now
-        req.append_token(token)
+        if logprobs is not None:
+            self.token_text.fill([logprobs])
+        req.append_token(token, logprobs)
         p = req.params
         n_out = len(req.output_token_ids)
         may_stop = n_out >= p.min_tokens
@@ -68,18 +74,35 @@ class OutputProcessor:
         req.finish_reason, req.stop_reason = "stop", s
 
     def make_output(self, req: Request) -> RequestOutput:
-        if req.finish_reason is not None:
-            self._detok.pop(req.request_id, None)
+        """The request's cumulative output: one ``CompletionOutput`` per sequence (``n``;
+        sequences not forked yet are empty, with the parent's finish reason if it ended)."""
+        assert req.parent is None
+        for seq in req.seqs:
+            if seq.finish_reason is not None:
+                self._detok.pop(seq.request_id, None)
+        outs = [_completion(s) for s in req.seqs]
+        outs += [CompletionOutput(i, "", [], req.finish_reason, None,
+                                  [] if req.logprobs is not None else None)
+                 for i in range(len(outs), req.params.n)]  # fmt: skip
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
-            outputs=[
-                CompletionOutput(
-                    0, req.text, list(req.output_token_ids), req.finish_reason, req.stop_reason
-                )
-            ],
-            finished=req.finish_reason is not None,
+            outputs=outs,
+            finished=req.group_finished(),
             num_cached_tokens=max(req.num_cached_tokens, 0),
             metrics=req.metrics,
+            prompt_logprobs=req.prompt_logprobs if req.prompt_logprobs_done else None,
         )
+
+    def prompt_computed(self, req: Request) -> None:
+        """``req``'s whole prompt has been computed: its prompt logprobs (if asked) are final."""
+        if not req.prompt_logprobs_done:
+            req.prompt_logprobs_done = True
+            self.token_text.fill(req.prompt_logprobs or [])
+
+
+def _completion(seq: Request) -> CompletionOutput:
+    lps = None if seq.logprobs is None else list(seq.logprobs)
+    return CompletionOutput(seq.index, seq.text, list(seq.output_token_ids), seq.finish_reason,
+                            seq.stop_reason, lps, seq.cumulative_logprob)  # fmt: skip

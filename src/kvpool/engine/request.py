@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpool.engine.sampling import SamplingParams, make_generator
+from kvpool.engine.logprobs import PositionLogprobs
+from kvpool.engine.sampling import SamplingParams, make_generator, sequence_seed
 
 
 class RequestStatus(enum.Enum):
@@ -39,11 +40,15 @@ class RequestMetrics:
 
 @dataclass(slots=True)
 class CompletionOutput:
+    """One sequence of a request (``index`` among its ``n``), as vLLM's."""
+
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None
     stop_reason: int | str | None = None
+    logprobs: list[PositionLogprobs] | None = None  # one per token, with ``params.logprobs``
+    cumulative_logprob: float | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -59,26 +64,42 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None
+    # with ``params.prompt_logprobs``: one per prompt token, the first None (nothing before it)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 class Request:
-    """One generation request: its tokens, blocks and progress."""
+    """One sequence of a generation request: its tokens, blocks and progress.
+
+    A request with ``n`` > 1 is one such sequence (index 0, the parent) until its prompt is
+    computed; then it forks (``fork``) into ``n`` sequences sharing the prompt's blocks, each
+    sampling with its own generator (seed ``seed + index``). ``seqs`` lists the parent's
+    sequences (itself first); a child points to its ``parent``.
+    """
 
     __slots__ = (
         "block_hashes",
         "block_ids",
+        "cumulative_logprob",
         "finish_reason",
+        "fork_generators",
         "generator",
+        "index",
         "kv_handle",
+        "logprobs",
         "metrics",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
         "output_token_ids",
         "params",
+        "parent",
         "prompt",
+        "prompt_logprobs",
+        "prompt_logprobs_done",
         "prompt_token_ids",
         "request_id",
+        "seqs",
         "status",
         "stop_reason",
         "text",
@@ -111,6 +132,19 @@ class Request:
         self.text = ""
         self.metrics = RequestMetrics(arrival_time or time.monotonic())
         self.kv_handle: object = None  # where another engine holds this prompt's KV (a hint)
+        self.index = 0
+        self.parent: Request | None = None
+        self.seqs: list[Request] = [self]
+        self.fork_generators = [make_generator(sequence_seed(params.seed, i))
+                                for i in range(1, params.n)]  # fmt: skip
+        self.logprobs: list[PositionLogprobs] | None = None
+        self.cumulative_logprob: float | None = None
+        if params.logprobs is not None:
+            self.logprobs, self.cumulative_logprob = [], 0.0
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
+        self.prompt_logprobs_done = params.prompt_logprobs is None
+        if not self.prompt_logprobs_done:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -124,9 +158,56 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def append_token(self, token: int) -> None:
+    @property
+    def fork_pending(self) -> bool:
+        """Whether its next sample is the first of ``n`` > 1 sequences (not forked yet)."""
+        return self.parent is None and len(self.seqs) < self.params.n
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether the runner must still compute logprobs of its prompt (so its prompt must
+        be computed here, not taken from a cache: cached positions have no logits)."""
+        return not self.prompt_logprobs_done
+
+    @property
+    def group(self) -> Request:
+        """The request this sequence belongs to (its parent, or itself)."""
+        return self.parent or self
+
+    def group_finished(self) -> bool:
+        """Every sequence of the request has finished (a request that never forked: itself)."""
+        if not self.is_finished and self.fork_pending:
+            return False
+        return all(s.is_finished for s in self.seqs)
+
+    def fork(self, index: int, request_id: str) -> Request:
+        """Sequence ``index`` of this request, at the end of its prompt (blocks: the caller's)."""
+        assert self.fork_pending and not self.output_token_ids and 0 < index < self.params.n
+        child = Request(request_id, self.prompt_token_ids, self.params, self.prompt,
+                        self.metrics.arrival_time)  # fmt: skip
+        child.index, child.parent = index, self
+        child.seqs, child.fork_generators = [], []
+        child.generator = self.fork_generators[index - 1]
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.block_hashes = list(self.block_hashes)
+        child.status = self.status
+        child.metrics.first_scheduled_time = self.metrics.first_scheduled_time
+        child.prompt_logprobs, child.prompt_logprobs_done = None, True  # the parent's count
+        self.seqs.append(child)
+        return child
+
+    def set_prompt_logprobs(self, first: int, values: list[PositionLogprobs]) -> None:
+        """Logprobs of prompt tokens ``first``, ``first + 1``, ... (recomputed ones overwrite)."""
+        assert self.prompt_logprobs is not None
+        self.prompt_logprobs[first : first + len(values)] = values
+
+    def append_token(self, token: int, logprobs: PositionLogprobs | None = None) -> None:
         self.token_ids.append(token)
         self.output_token_ids.append(token)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
+            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprobs[token].logprob
 
     def __repr__(self) -> str:
         return (

@@ -9,6 +9,8 @@ import torch
 from kvpool.common.errors import BadRequestError
 
 _GREEDY_EPS = 1e-5
+MAX_N = 16  # sequences per request (``n``)
+MAX_LOGPROBS = 20  # most likely tokens returned per position (OpenAI's limit for top_logprobs)
 
 
 @dataclass(slots=True)
@@ -27,11 +29,21 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # per output token: its logprob and the top ``logprobs``
+    prompt_logprobs: int | None = None  # the same for every prompt token (the first: None)
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.n != 1:
-            raise BadRequestError("only n=1 is supported", param="n")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise BadRequestError(f"n must be an integer in [1, {MAX_N}]", param="n")
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            raise BadRequestError("seed must be an integer that fits in 64 bits", param="seed")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+                raise BadRequestError(
+                    f"{name} must be an integer in [0, {MAX_LOGPROBS}]", param=name
+                )
         if not 0.0 <= self.temperature <= 100.0:
             raise BadRequestError("temperature must be in [0, 100]", param="temperature")
         if not 0.0 < self.top_p <= 1.0:
@@ -62,6 +74,19 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS or self.top_k == 1
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def sequence_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sequence ``index`` of a request seeded with ``seed`` (vLLM's ``seed + i``,
+    wrapped into torch's range), so sequence i of seed s does not depend on the others."""
+    if seed is None:
+        return None
+    s = seed + index
+    return s - 2**64 if s >= 2**64 else s
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:

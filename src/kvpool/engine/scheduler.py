@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 
 from kvpool.engine.block_pool import KVBlock
 from kvpool.engine.connectors.base import BlockRef, KVConnector, NoopConnector
-from kvpool.engine.kv_cache_manager import KVCacheManager
+from kvpool.engine.kv_cache_manager import KVCacheManager, PrefixHit
 from kvpool.engine.model_runner import ScheduledChunk
 from kvpool.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+_NO_HIT = PrefixHit([], 0)
 
 
 @dataclass(slots=True)
@@ -72,6 +73,7 @@ class Schedule:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     new_blocks: list[BlockRef] = field(default_factory=list)  # full once this step computes
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) blocks, first
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +100,11 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def add_forked(self, child: Request) -> None:
+        """A sequence forked from a running request (its blocks already shared): it runs."""
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.loading or self._orphans)
 
@@ -110,6 +117,7 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         # Decodes first: the runner batches one-token queries together.
         out.chunks.sort(key=lambda c: c.num_tokens != 1)
+        out.copies = self.kv.take_copies()
         self.stats.steps += 1
         return out
 
@@ -142,7 +150,7 @@ class Scheduler:
     def _schedule_waiting(self, out: Schedule, budget: int) -> None:
         skipped: list[Request] = []  # the connector cannot tell yet: ask again next step
         try:
-            while self.waiting and budget > 0 and self._seats():
+            while self.waiting and budget > 0 and self._seats(self.waiting[0]):
                 req = self.waiting[0]
                 if req.request_id in self._ready:  # its prefix was loaded in the background
                     n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -153,7 +161,7 @@ class Scheduler:
                     self._start(out, req, req.num_computed_tokens, n)
                     budget -= n
                     continue
-                hit = self.kv.find_prefix(req)
+                hit = self.kv.find_prefix(req) if not req.needs_prompt_logprobs else _NO_HIT
                 ext, load_async = self._external_tokens(req, hit.num_tokens)
                 if ext is None:
                     skipped.append(self.waiting.popleft())
@@ -173,8 +181,12 @@ class Scheduler:
         finally:
             self.waiting.extendleft(reversed(skipped))
 
-    def _seats(self) -> bool:
-        return len(self.running) + len(self.loading) < self.config.max_num_seqs
+    def _seats(self, req: Request) -> bool:
+        """Room for ``req`` (and the sequences it will fork into) among the running ones; a
+        request wider than ``max_num_seqs`` runs alone."""
+        busy = len(self.running) + len(self.loading)
+        width = req.params.n if req.fork_pending else 1
+        return busy == 0 or busy + width <= self.config.max_num_seqs
 
     def _admit_sync(self, out: Schedule, req: Request, hit, ext: int, budget: int) -> int:
         """Admit ``req`` with a synchronous external load (if any); the tokens scheduled."""
@@ -217,6 +229,8 @@ class Scheduler:
         bs = self.kv.block_size
         max_blocks = (req.num_tokens - 1) // bs
         if req.request_id in self._no_external or hit_tokens // bs >= max_blocks:
+            return 0, False
+        if req.needs_prompt_logprobs:  # every prompt position must be computed here
             return 0, False
         try:
             n, load_async = self.connector.get_num_new_matched_tokens(req, hit_tokens)
