@@ -22,6 +22,13 @@ def test_round_trip():
     going_on = DecodeRequest("r3", "chat", [5], {"max_tokens": 4}, True, first_token=11,
                              response_id="chatcmpl-1", created=1700000000)  # fmt: skip
     assert DecodeRequest.from_wire(unpack(pack(going_on.to_wire()))) == going_on
+    wide = DecodeRequest("r4", "completion", [5, 6], {"n": 3, "logprobs": 1},
+                         more_token_ids=[[7], [8, 9]], echo=True, prompt_only=True)  # fmt: skip
+    assert DecodeRequest.from_wire(unpack(pack(wide.to_wire()))) == wide
+    old = bare.to_wire()  # from a conductor that knows none of these fields
+    for key in ("more_token_ids", "echo", "prompt_only"):
+        del old[key]
+    assert DecodeRequest.from_wire(old) == bare
 
 
 @pytest.mark.parametrize(
@@ -45,6 +52,13 @@ def test_round_trip():
         lambda d: d.update(stream=True, first_token=True, response_id="c", created=1),
         lambda d: d.update(stream=True, first_token=3, response_id="", created=1),
         lambda d: d.update(stream=True, first_token=3, response_id="c", created="now"),
+        lambda d: d.update(more_token_ids=[[1]]),  # several prompts: completions only
+        lambda d: d.update(kind="completion", more_token_ids=[[]]),
+        lambda d: d.update(kind="completion", more_token_ids=[["a"]]),
+        lambda d: d.update(kind="completion", more_token_ids=[1, 2]),
+        lambda d: d.update(kind="completion", more_token_ids=[[1]] * 200),
+        lambda d: d.update(echo="yes"),
+        lambda d: d.update(prompt_only=True),  # without echo
     ],
 )
 def test_malformed_is_a_protocol_error(change):

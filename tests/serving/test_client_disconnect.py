@@ -21,29 +21,34 @@ def _slow(aeng, delay: float = 0.01) -> None:
     aeng.engine.step = slow_step
 
 
-def _assert_freed(aeng, timeout: float = 5.0) -> None:
+def _assert_freed(aeng, timeout: float = 5.0, sequences: int = 1) -> None:
     eng = aeng.engine
     deadline = time.monotonic() + timeout
     while eng.has_unfinished_requests() or eng.stats().kv_usage > 0:
         assert time.monotonic() < deadline, "request not aborted after the client left"
         time.sleep(0.02)
-    assert eng.generation_tokens < MAX_TOKENS / 2  # aborted, not run to completion
+    assert eng.generation_tokens < sequences * MAX_TOKENS / 2  # aborted, not run to completion
 
 
-def _long_request(stream: bool) -> dict:
+def _long_request(stream: bool, **extra) -> dict:
     return {
         "prompt": "Tell me a long story",
         "max_tokens": MAX_TOKENS,
         "ignore_eos": True,
         "stream": stream,
+        **extra,
     }
 
 
-def test_streaming_disconnect_aborts(live_server):
+WIDE = {"prompt": ["Tell me a long story", "And another"], "n": 3}  # 2 requests, 6 sequences
+
+
+@pytest.mark.parametrize("extra", [{}, WIDE], ids=["one", "prompts-x-n"])
+def test_streaming_disconnect_aborts(live_server, extra):
     aeng, url = live_server()
     _slow(aeng)
     with httpx.Client(base_url=url, timeout=10) as c:
-        with c.stream("POST", "/v1/completions", json=_long_request(True)) as r:
+        with c.stream("POST", "/v1/completions", json=_long_request(True, **extra)) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
             got = [line for line, _ in zip(lines, range(6), strict=False) if line]
@@ -52,19 +57,21 @@ def test_streaming_disconnect_aborts(live_server):
         # leaving the block closes the connection mid-stream
         _assert_freed(aeng)
         metrics = c.get("/metrics").text
-    assert 'kvpool_request_success_total{finish_reason="abort"} 1.0' in metrics
+    aborted = 2.0 if extra else 1.0  # one per prompt
+    assert f'kvpool_request_success_total{{finish_reason="abort"}} {aborted}' in metrics
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "wide"])
 def test_non_streaming_disconnect_aborts(live_server, path):
     aeng, url = live_server()
     _slow(aeng)
-    body = _long_request(False)
+    body = _long_request(False, **(WIDE if path == "wide" else {}))
+    path = "/v1/completions" if path == "wide" else path
     if "chat" in path:
         body["messages"] = [{"role": "user", "content": body.pop("prompt")}]
     with httpx.Client(base_url=url, timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
         c.post(path, json=body)
-    _assert_freed(aeng)
+    _assert_freed(aeng, sequences=6 if body.get("n") else 1)
     # the server keeps serving
     with httpx.Client(base_url=url, timeout=10) as c:
         r = c.post("/v1/completions", json={"prompt": "again", "max_tokens": 2})

@@ -44,9 +44,37 @@ def test_single_prompt(prompt, expected):
     assert CompletionRequest(prompt=prompt).single_prompt() == expected
 
 
-def test_several_prompts_rejected():
+def test_several_prompts_rejected_where_one_is_expected():
     with pytest.raises(BadRequestError, match="only one prompt"):
         CompletionRequest(prompt=["a", "b"]).single_prompt()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("abc", ["abc"]),
+        ([1, 2], [[1, 2]]),
+        (["a", "b"], ["a", "b"]),
+        ([[4], [5, 6]], [[4], [5, 6]]),
+    ],
+)
+def test_prompts(prompt, expected):
+    assert CompletionRequest(prompt=prompt).prompts() == expected
+
+
+def test_logprobs_echo_and_n_to_sampling_params():
+    p = CompletionRequest(prompt="x", logprobs=3, n=4, best_of=4).to_sampling_params()
+    assert (p.logprobs, p.prompt_logprobs, p.n) == (3, None, 4)
+    req = CompletionRequest(prompt="x", logprobs=1, echo=True, max_tokens=0)
+    p = req.to_sampling_params()
+    assert (p.logprobs, p.prompt_logprobs, p.max_tokens, req.prompt_only) == (1, 1, 1, True)
+    p = CompletionRequest(prompt="x", echo=True).to_sampling_params()
+    assert (p.logprobs, p.prompt_logprobs) == (None, None)
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = ChatCompletionRequest(messages=msgs, logprobs=True, top_logprobs=5, n=2)
+    assert (chat.to_sampling_params().logprobs, chat.to_sampling_params().n) == (5, 2)
+    assert ChatCompletionRequest(messages=msgs, logprobs=True).to_sampling_params().logprobs == 0
+    assert ChatCompletionRequest(messages=msgs).to_sampling_params().logprobs is None
 
 
 def test_content_parts_and_null_content():

@@ -10,9 +10,11 @@ has reused since (or a dead worker) is read from the pool instead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpool.common.errors import ProtocolError
+
+MAX_PROMPTS = 128  # prompts of one request (the OpenAI layer's limit: serving/protocol.py)
 
 
 def _need(cond: bool, what: str) -> None:
@@ -82,6 +84,11 @@ class DecodeRequest:
     first_token: int | None = None
     response_id: str | None = None
     created: int | None = None
+    # a completions request with several prompts: the ones after ``token_ids`` (computed by
+    # the decode worker itself); choices are numbered prompt-major
+    more_token_ids: list[list[int]] = field(default_factory=list)
+    echo: bool = False  # completions: the prompt before each answer
+    prompt_only: bool = False  # echo with max_tokens 0: the prompt alone
 
     def to_wire(self) -> dict:
         return {"request_id": self.request_id, "kind": self.kind, "token_ids": self.token_ids,
@@ -90,7 +97,8 @@ class DecodeRequest:
                 "cached_tokens": self.cached_tokens,
                 "kv_handle": self.kv_handle.to_wire() if self.kv_handle else None,
                 "first_token": self.first_token, "response_id": self.response_id,
-                "created": self.created}  # fmt: skip
+                "created": self.created, "more_token_ids": self.more_token_ids,
+                "echo": self.echo, "prompt_only": self.prompt_only}  # fmt: skip
 
     @classmethod
     def from_wire(cls, d: object) -> DecodeRequest:
@@ -114,6 +122,14 @@ class DecodeRequest:
               "first_token, response_id and created go together")  # fmt: skip
         _need(rsp is None or (isinstance(rsp, str) and 0 < len(rsp) <= 256), "response_id")
         _need(created is None or (isinstance(created, int) and created >= 0), "created")
+        more = d.get("more_token_ids") or []
+        _need(isinstance(more, list) and len(more) < MAX_PROMPTS and all(
+            isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in more),
+            "more_token_ids")  # fmt: skip
+        _need(not more or kind == "completion", "several prompts are for completions only")
+        echo, prompt_only = d.get("echo", False), d.get("prompt_only", False)
+        _need(isinstance(echo, bool) and isinstance(prompt_only, bool), "echo, prompt_only")
+        _need(not prompt_only or echo, "prompt_only goes with echo")
         return cls(rid, kind, ids, params, bool(d.get("stream")), bool(d.get("include_usage")),
                    cached, None if handle is None else KVHandle.from_wire(handle),
-                   first, rsp, created)  # fmt: skip
+                   first, rsp, created, more, echo, prompt_only)  # fmt: skip

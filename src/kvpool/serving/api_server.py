@@ -13,34 +13,30 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvpool.common.errors import BadRequestError, ForbiddenError, KVPoolError, ProtocolError
+from kvpool.common.errors import BadRequestError, ForbiddenError, ProtocolError
 from kvpool.config import HttpLimits
 from kvpool.engine.async_engine import AsyncLLMEngine
-from kvpool.engine.request import RequestOutput
 from kvpool.engine.sampling import SamplingParams
 from kvpool.protocol.decode import DecodeRequest
 from kvpool.serving.engine_client import EngineClient
-from kvpool.serving.formats import SSE_DONE, ChatFormat, CompletionFormat, finish_reason, sse
-from kvpool.serving.http_errors import ModelNotFoundError, error_body
+from kvpool.serving.formats import ChatFormat, CompletionFormat, ResponseOptions
+from kvpool.serving.http_errors import ModelNotFoundError
+from kvpool.serving.logprobs_format import TokenStrings
 from kvpool.serving.metrics import ServerMetrics
 from kvpool.serving.openai_app import build_openai_app, wait_disconnect
 from kvpool.serving.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from kvpool.serving.responses import EngineError, Job, Responder
 
 logger = logging.getLogger(__name__)
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
-
-class EngineError(KVPoolError):
-    """The engine failed while running a request."""
-
-    error_type = "engine_error"
+__all__ = ["EngineError", "OpenAIServer", "build_app"]
 
 
 class _SSEResponse(StreamingResponse):
@@ -62,6 +58,8 @@ class OpenAIServer:
         self.internal_keys = tuple(internal_keys)
         self.metrics = ServerMetrics(aeng.engine.stats)
         self.client = EngineClient(aeng, self.metrics)
+        self.responder = Responder(self.client)
+        self.strings = TokenStrings(aeng.engine.tokenizer)
         self.created = int(time.time())
 
     def check_model(self, model: str | None) -> None:
@@ -89,14 +87,21 @@ class OpenAIServer:
     async def metrics_response(self) -> Response:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
+    def _options(self, include_usage: bool, params: SamplingParams, echo: bool = False,
+                 prompt_only: bool = False, sent: int = 0) -> ResponseOptions:  # fmt: skip
+        return ResponseOptions(include_usage, echo, prompt_only, sent, params.logprobs or 0)
+
     async def completions(self, request: Request) -> Response:
         req = parse_request(await request.body(), CompletionRequest)
         self.check_model(req.model)
         params = req.to_sampling_params()
+        prompts = req.prompts()
         # tokenizing may take a while on a long prompt: never on the event loop
-        ids = await asyncio.to_thread(self.client.prepare, req.single_prompt(), params)
-        fmt = CompletionFormat(self.model_name, req.include_usage)
-        return await self._respond(request, ids, params, fmt, req.stream)
+        ids = await asyncio.to_thread(lambda: [self.client.prepare(p, params) for p in prompts])
+        opts = self._options(req.include_usage, params, bool(req.echo), req.prompt_only)
+        fmt = CompletionFormat(self.model_name, opts, strings=self.strings)
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        return await self._respond(request, Job(ids, params, fmt, texts), req.stream)
 
     async def chat(self, request: Request) -> Response:
         req = parse_request(await request.body(), ChatCompletionRequest)
@@ -106,8 +111,9 @@ class OpenAIServer:
         if self.client.engine.tokenizer.chat_template is None:
             raise BadRequestError("this model has no chat template; use /v1/completions")
         ids = await asyncio.to_thread(self._chat_ids, messages, params)
-        fmt = ChatFormat(self.model_name, req.include_usage)
-        return await self._respond(request, ids, params, fmt, req.stream)
+        fmt = ChatFormat(self.model_name, self._options(req.include_usage, params),
+                         strings=self.strings)  # fmt: skip
+        return await self._respond(request, Job([ids], params, fmt), req.stream)
 
     def _chat_ids(self, messages: list[dict[str, str]], params: SamplingParams) -> list[int]:
         eng = self.client.engine
@@ -130,54 +136,35 @@ class OpenAIServer:
             params = SamplingParams(**req.params)
         except (ValueError, TypeError, ProtocolError) as exc:
             raise BadRequestError(f"bad decode request: {exc}") from None
-        ids, sent = req.token_ids, 0
+        prompts, sent = [req.token_ids, *req.more_token_ids], 0
         if req.first_token is not None:  # the conductor streamed it: go on from there
             if params.max_tokens is None or params.max_tokens < 2:
                 raise BadRequestError("bad decode request: first_token needs max_tokens >= 2")
-            ids, sent = [*ids, req.first_token], 1
+            if params.n != 1 or len(prompts) > 1 or params.logprobs is not None or req.echo:
+                raise BadRequestError("bad decode request: first_token is for one plain answer")
+            prompts[0], sent = [*req.token_ids, req.first_token], 1
             params = dataclasses.replace(params, max_tokens=params.max_tokens - 1,
                                          min_tokens=max(0, params.min_tokens - 1))  # fmt: skip
-        self.client.engine.check_length(len(ids), params)
+        for ids in prompts:
+            self.client.engine.tokenize(ids)  # token ids in the vocabulary (400s)
+            self.client.engine.check_length(len(ids), params)
         cls = ChatFormat if req.kind == "chat" else CompletionFormat
-        fmt = cls(self.model_name, req.include_usage, req.response_id, req.created, sent)
-        return await self._respond(request, ids, params, fmt, req.stream, req.kv_handle,
-                                   req.cached_tokens)  # fmt: skip
+        opts = self._options(req.include_usage, params, req.echo, req.prompt_only, sent)
+        fmt = cls(self.model_name, opts, req.response_id, req.created, self.strings)
+        job = Job(prompts, params, fmt, kv_handle=req.kv_handle, cached_tokens=req.cached_tokens)
+        return await self._respond(request, job, req.stream)
 
-    async def _respond(
-        self,
-        request: Request,
-        ids: list[int],
-        params: SamplingParams,
-        fmt: CompletionFormat | ChatFormat,
-        stream: bool,
-        kv_handle=None,
-        cached_tokens: int | None = None,
-    ) -> Response:
-        """``cached_tokens``: what usage reports as cached (the prefill's reuse, when another
-        worker computed the prompt), instead of this engine's own hits."""
+    async def _respond(self, request: Request, job: Job, stream: bool) -> Response:
         if stream:
-            body = self._stream(ids, params, fmt, kv_handle, cached_tokens)
+            body = self.responder.stream(job)
             return _SSEResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
-        final = self._final(ids, params, fmt.id, kv_handle, cached_tokens)
-        out = await self._until_disconnect(request, final)
-        if out is None:
+        outs = await self._until_disconnect(request, self.responder.finals(job))
+        if outs is None:
             return Response(status_code=499)  # nobody is listening any more
-        return JSONResponse(fmt.full(out))
+        return JSONResponse(job.fmt.full(outs))
 
-    async def _final(self, ids: list[int], params: SamplingParams, rid: str, kv_handle=None,
-                     cached_tokens: int | None = None) -> RequestOutput:  # fmt: skip
-        last = None
-        async for out in self.client.generate(ids, params, rid, kv_handle):
-            last = out
-        assert last is not None
-        if last.error is not None:
-            raise EngineError(last.error)
-        if cached_tokens is not None:
-            last.num_cached_tokens = cached_tokens
-        return last
-
-    async def _until_disconnect(self, request: Request, work) -> RequestOutput | None:
-        """Run ``work``; cancel it (aborting the request) if the client disconnects first."""
+    async def _until_disconnect(self, request: Request, work):
+        """Run ``work``; cancel it (aborting its requests) if the client disconnects first."""
         task = asyncio.ensure_future(work)
         watcher = asyncio.ensure_future(wait_disconnect(request))
         try:
@@ -191,43 +178,6 @@ class OpenAIServer:
             logger.info("client disconnected; request aborted")
             return None
         return task.result()
-
-    async def _stream(
-        self,
-        ids: list[int],
-        params: SamplingParams,
-        fmt: CompletionFormat | ChatFormat,
-        kv_handle=None,
-        cached_tokens: int | None = None,
-    ) -> AsyncIterator[str]:
-        # Text that may still turn out to start a stop string is held back until it cannot.
-        hold = max((len(s) for s in params.stop_strings), default=1) - 1
-        sent = 0
-        if not fmt.sent:  # else the conductor sent the opening chunks with the first token
-            for chunk in fmt.first_chunks():
-                yield sse(chunk)
-        try:
-            async for out in self.client.generate(ids, params, fmt.id, kv_handle):
-                if cached_tokens is not None:
-                    out.num_cached_tokens = cached_tokens
-                if out.error is not None:
-                    yield sse(error_body(500, out.error, EngineError.error_type))
-                    return
-                text = out.outputs[0].text
-                end = len(text) if out.finished else max(sent, len(text) - hold)
-                finish = finish_reason(out)
-                for chunk in fmt.delta_chunks(text[sent:end], finish):
-                    yield sse(chunk)
-                sent = end
-                if out.finished and fmt.include_usage:
-                    yield sse(fmt.usage_chunk(out))
-            yield SSE_DONE
-        except KVPoolError as exc:
-            logger.warning("stream failed: %s", exc.message)
-            yield sse(exc.to_openai())
-        except Exception:
-            logger.exception("stream failed")
-            yield sse(error_body(500, "internal server error"))
 
 
 def build_app(aeng: AsyncLLMEngine, model_name: str, api_keys: list[str] | tuple = (),

@@ -5,6 +5,11 @@ Fields follow the OpenAI names plus vLLM's sampling extensions (``top_k``, ``sto
 Types are checked strictly (``"5"`` is not a number) so that a mistake is a 400, not a guess.
 Lists and strings that cost work per item are capped (``MAX_*``); the body as a whole is capped
 by the server (``HttpLimits.max_body_bytes``), the prompt by the model's context length.
+
+A completions request may carry several prompts (``prompt: [str, ...]`` or ``[[ids], ...]``)
+and ask for ``n`` sequences of each: its choices are numbered ``prompt_index * n + i``.
+``echo`` puts the prompt before each answer; with ``logprobs`` it asks for the prompt's
+logprobs too (``prompt_logprobs``), and with ``max_tokens: 0`` for the prompt alone.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ from typing import Annotated, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from kvpool.common.errors import BadRequestError
-from kvpool.engine.sampling import SamplingParams
+from kvpool.engine.sampling import MAX_LOGPROBS, MAX_N, SamplingParams
+from kvpool.protocol.decode import MAX_PROMPTS  # prompts per completions request
 
+MAX_CHOICES = 256  # prompts x n
 MAX_STOPS = 64  # stop strings per request (OpenAI allows 4)
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
@@ -57,14 +64,21 @@ class _SamplingFields(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_params(self, max_tokens: int | None, max_tokens_param: str) -> SamplingParams:
-        if self.n not in (None, 1):
-            raise BadRequestError("only n=1 is supported", param="n")
+    @property
+    def num_sequences(self) -> int:
+        return 1 if self.n is None else self.n
+
+    def _sampling_params(self, max_tokens: int | None, max_tokens_param: str,
+                         logprobs: int | None = None) -> SamplingParams:  # fmt: skip
+        if not 1 <= self.num_sequences <= MAX_N:
+            raise BadRequestError(f"n must be in [1, {MAX_N}]", param="n")
         if max_tokens is not None and max_tokens < 1:
             raise BadRequestError(f"{max_tokens_param} must be at least 1", param=max_tokens_param)
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise BadRequestError("seed must fit in 64 bits", param="seed")
         return SamplingParams(
+            n=self.num_sequences,
+            logprobs=logprobs,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None else self.top_k,
@@ -82,33 +96,62 @@ class _SamplingFields(_Body):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: (
+        str
+        | list[int]
+        | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
+        | Annotated[list[list[int]], Field(max_length=MAX_PROMPTS)]
+    )
     max_tokens: int | None = 16
     echo: bool | None = False
     logprobs: int | None = None
     suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt of this request (texts or token ids), at least one, at most
+        ``MAX_PROMPTS``, with at most ``MAX_CHOICES`` choices in all."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            out: list = [p]
+        else:
+            out = list(p)
+        if not out or any(not x for x in out):
+            raise BadRequestError("the prompt is empty", param="prompt")
+        if len(out) * self.num_sequences > MAX_CHOICES:
+            raise BadRequestError(f"at most {MAX_CHOICES} choices (prompts x n) per request",
+                                  param="n")  # fmt: skip
+        return out
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request (text or token ids)."""
-        p = self.prompt
-        if isinstance(p, str):
-            return p
-        if not p:
-            raise BadRequestError("the prompt is empty", param="prompt")
-        if isinstance(p[0], int):
-            return p  # type: ignore[return-value]
-        if len(p) > 1:
+        prompts = self.prompts()
+        if len(prompts) > 1:
             raise BadRequestError("only one prompt per request is supported", param="prompt")
-        return p[0]  # type: ignore[return-value]
+        return prompts[0]
+
+    @property
+    def prompt_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the answer is the prompt (with its logprobs)."""
+        return bool(self.echo) and self.max_tokens == 0
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise BadRequestError("echo is not supported", param="echo")
-        if self.logprobs is not None:
-            raise BadRequestError("logprobs are not supported", param="logprobs")
         if self.suffix:
             raise BadRequestError("suffix is not supported", param="suffix")
-        return self._sampling_params(self.max_tokens, "max_tokens")
+        if self.best_of is not None and self.best_of != self.num_sequences:
+            raise BadRequestError("best_of is not supported (other than best_of = n)",
+                                  param="best_of")  # fmt: skip
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise BadRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}]", param="logprobs")
+        if self.max_tokens == 0 and not self.echo:
+            raise BadRequestError("max_tokens must be at least 1 (0 only with echo)",
+                                  param="max_tokens")  # fmt: skip
+        # echo without generation runs one token, never shown (as vLLM does)
+        max_tokens = 1 if self.prompt_only else self.max_tokens
+        params = self._sampling_params(max_tokens, "max_tokens", self.logprobs)
+        if self.echo and self.logprobs is not None:
+            params.prompt_logprobs = self.logprobs
+        return params
 
 
 class ContentPart(_Body):
@@ -151,11 +194,17 @@ class ChatCompletionRequest(_SamplingFields):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.logprobs or self.top_logprobs:
-            raise BadRequestError("logprobs are not supported", param="logprobs")
+        k = self.top_logprobs
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise BadRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]",
+                                  param="top_logprobs")  # fmt: skip
+        if k and not self.logprobs:
+            raise BadRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs = (k or 0) if self.logprobs else None
         if self.max_completion_tokens is not None:
-            return self._sampling_params(self.max_completion_tokens, "max_completion_tokens")
-        return self._sampling_params(self.max_tokens, "max_tokens")
+            return self._sampling_params(self.max_completion_tokens, "max_completion_tokens",
+                                         logprobs)  # fmt: skip
+        return self._sampling_params(self.max_tokens, "max_tokens", logprobs)
 
 
 _M = TypeVar("_M", bound=BaseModel)
