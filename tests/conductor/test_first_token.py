@@ -53,6 +53,8 @@ def test_a_greedy_stream_gets_its_first_token_at_once():
         ({"temperature": 0, "max_tokens": 1}, "nothing left to decode"),
         ({"temperature": 0, "max_tokens": 8, "stop": ["H"]}, "a stop string"),
         ({"temperature": 0, "max_tokens": 8, "stop_token_ids": [5]}, "stop ids"),
+        ({"temperature": 0, "max_tokens": 8, "n": 2}, "several answers"),
+        ({"temperature": 0, "max_tokens": 8, "logprobs": 0}, "logprobs"),
     ],
 )
 def test_other_requests_take_the_plain_path(params, why):
@@ -61,6 +63,25 @@ def test_other_requests_take_the_plain_path(params, why):
     chunks, decode = opening(c, params, [tok.encode("H")[0]])
     assert chunks == [] and decode.first_token is None, why
     assert c.metrics.first_from_prefill.n == 0
+
+
+@pytest.mark.parametrize("what", ["echo", "more prompts"])
+def test_echo_and_several_prompts_take_the_plain_path(what):
+    tok = tiny_tokenizer()
+    c = conductor(tok)
+    params = {"temperature": 0, "max_tokens": 8}
+    parsed = Parsed([1, 2, 3], "completion", params, True, True, 8, echo=what == "echo",
+                    more_ids=[[4, 5]] if what == "more prompts" else [])  # fmt: skip
+    decode = DecodeRequest("d", "completion", [1, 2, 3], params, True)
+    assert Conductor._first_from_prefill(c, parsed, [tok.encode("H")[0]], decode) == []
+    assert decode.first_token is None
+
+
+def test_prompt_logprobs_and_several_prompts_are_computed_by_the_decode_worker():
+    plain = Parsed([1], "completion", {"n": 1}, False, False, 4)
+    assert not plain.computes_on_decode
+    assert Parsed([1], "completion", {"prompt_logprobs": 0}, False, False, 4).computes_on_decode
+    assert Parsed([1], "completion", {}, False, False, 4, more_ids=[[2]]).computes_on_decode
 
 
 def test_eos_a_partial_character_or_no_token_take_the_plain_path():

@@ -22,7 +22,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 
 import httpx
 from fastapi import FastAPI, Request
@@ -52,7 +52,7 @@ from kvpool.engine.limits import check_context_length, check_prompt_chars, check
 from kvpool.engine.sampling import SamplingParams
 from kvpool.protocol.decode import DecodeRequest, KVHandle
 from kvpool.protocol.kv_object import block_key
-from kvpool.serving.formats import ChatFormat, CompletionFormat, sse
+from kvpool.serving.formats import ChatFormat, CompletionFormat, Delta, ResponseOptions, sse
 from kvpool.serving.http_errors import ModelNotFoundError
 from kvpool.serving.openai_app import build_openai_app
 from kvpool.serving.protocol import ChatCompletionRequest, CompletionRequest, parse_request
@@ -64,12 +64,21 @@ logger = logging.getLogger(__name__)
 class Parsed:
     """A client's request as the conductor read it (tokenized once, here)."""
 
-    ids: list[int]
+    ids: list[int]  # its (first) prompt
     kind: str  # "chat" | "completion"
     params: dict  # SamplingParams fields
     stream: bool
     include_usage: bool
     max_tokens: int
+    more_ids: list[list[int]] = field(default_factory=list)  # a completion's other prompts
+    echo: bool = False
+    prompt_only: bool = False
+
+    @property
+    def computes_on_decode(self) -> bool:
+        """Whether the decode worker must compute the prompts itself: several prompts, or
+        prompt logprobs (the logits of every prompt position: no KV from elsewhere)."""
+        return bool(self.more_ids) or self.params.get("prompt_logprobs") is not None
 
 
 __all__ = ["Conductor", "WorkerFailedError", "build_conductor_app"]
@@ -125,7 +134,8 @@ class Conductor(VllmCalls):
         """A completions or chat request body, tokenized (the only time: the decode worker
         gets the ids); 400 for anything the workers could never serve (run off the event
         loop: it may be long)."""
-        limit, vocab = self.cluster.max_model_len, self.cluster.vocab_size or self.tok.vocab_size
+        limit = self.cluster.max_model_len
+        echo = prompt_only = False
         if path.endswith("/chat/completions"):
             req = parse_request(body, ChatCompletionRequest)
             self.check_model(req.model)
@@ -137,27 +147,32 @@ class Conductor(VllmCalls):
                 check_prompt_chars(sum(len(m["content"]) for m in messages), limit,
                                    self.tok.max_token_chars)  # fmt: skip
             text = self.tok.apply_chat_template(messages, add_generation_prompt=True)
-            ids = self.tok.encode(text, add_special_tokens=False)
+            prompts = [self.tok.encode(text, add_special_tokens=False)]
         else:
             req = parse_request(body, CompletionRequest)
             self.check_model(req.model)
             params = req.to_sampling_params()
-            prompt = req.single_prompt()
-            if isinstance(prompt, str):
-                if limit:
-                    check_prompt_chars(len(prompt), limit, self.tok.max_token_chars)
-                ids = self.tok.encode(prompt, add_special_tokens=True)
-            else:
-                ids = list(prompt)
-                check_token_ids(ids, vocab, limit or len(ids) + 1)
-        if limit:
-            check_context_length(len(ids), params.max_tokens, limit)
-        if not ids:
-            raise BadRequestError("the prompt is empty", param="prompt")
+            prompts = [self._prompt_ids(p) for p in req.prompts()]
+            echo, prompt_only = bool(req.echo), req.prompt_only
+        for ids in prompts:
+            if limit:
+                check_context_length(len(ids), params.max_tokens, limit)
+            if not ids:
+                raise BadRequestError("the prompt is empty", param="prompt")
         kind = "chat" if path.endswith("/chat/completions") else "completion"
         wire = {f.name: getattr(params, f.name) for f in fields(SamplingParams) if f.init}
-        return Parsed(ids, kind, wire, bool(req.stream), bool(req.include_usage),
-                      int(params.max_tokens or 16))  # fmt: skip
+        return Parsed(prompts[0], kind, wire, bool(req.stream), bool(req.include_usage),
+                      int(params.max_tokens or 16), prompts[1:], echo, prompt_only)  # fmt: skip
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        limit, vocab = self.cluster.max_model_len, self.cluster.vocab_size or self.tok.vocab_size
+        if isinstance(prompt, str):
+            if limit:
+                check_prompt_chars(len(prompt), limit, self.tok.max_token_chars)
+            return self.tok.encode(prompt, add_special_tokens=True)
+        ids = list(prompt)
+        check_token_ids(ids, vocab, limit or len(ids) + 1)
+        return ids
 
     def request_info(self, ids: list[int], max_tokens: int) -> RequestInfo:
         c = self.cluster
@@ -190,6 +205,8 @@ class Conductor(VllmCalls):
         parsed = await asyncio.to_thread(self.tokenize, request.url.path, raw)
         ids, stream = parsed.ids, parsed.stream
         info = await asyncio.to_thread(self.request_info, ids, parsed.max_tokens)
+        if parsed.more_ids or parsed.params.get("n", 1) > 1:  # the work of all its sequences
+            info = _all_sequences(info, parsed)
         try:
             route = self.router.route(self.cluster.snapshot(), info, self.inflight)
         except RejectedError as exc:
@@ -204,7 +221,8 @@ class Conductor(VllmCalls):
         response: Response | None = None
         try:
             cached, handle, first = await self._prefill(route, ids, request.url.path, raw, info) \
-                if route.prefill is not None else (None, None, None)  # fmt: skip
+                if route.prefill is not None and not parsed.computes_on_decode \
+                else (None, None, None)  # fmt: skip
             self.metrics.routed.labels(route.decode.worker_id, "decode").inc()
             dec = self.cluster.worker(route.decode.worker_id)
             if dec is not None and dec.backend is not None:  # a vLLM server: the client's body
@@ -212,7 +230,9 @@ class Conductor(VllmCalls):
                 return response
             url = f"http://{self._http_of(route.decode.worker_id)}/internal/generate"
             decode = DecodeRequest(f"decode-{uuid.uuid4().hex}", parsed.kind, ids, parsed.params,
-                                   stream, parsed.include_usage, cached, handle)  # fmt: skip
+                                   stream, parsed.include_usage, cached, handle,
+                                   more_token_ids=parsed.more_ids, echo=parsed.echo,
+                                   prompt_only=parsed.prompt_only)  # fmt: skip
             opening = self._first_from_prefill(parsed, first, decode) if stream else []
             body = json.dumps(decode.to_wire()).encode()
             if stream:
@@ -235,6 +255,8 @@ class Conductor(VllmCalls):
         p = parsed.params
         if not first or not isinstance(first[0], int) or int(p.get("max_tokens") or 0) < 2:
             return []
+        if p.get("n", 1) != 1 or p.get("logprobs") is not None or parsed.echo or parsed.more_ids:
+            return []  # not one plain answer
         if not self._concatenative:  # the decode worker's text would lose a leading space
             return []
         if p.get("temperature", 1.0) != 0 or p.get("stop") or p.get("stop_token_ids"):
@@ -246,10 +268,10 @@ class Conductor(VllmCalls):
         if not text or "\ufffd" in text:  # a token that is part of a character: not alone
             return []
         fmt = (ChatFormat if parsed.kind == "chat" else CompletionFormat)(
-            self.model_name, parsed.include_usage)  # fmt: skip
+            self.model_name, ResponseOptions(parsed.include_usage))  # fmt: skip
         decode.first_token, decode.response_id, decode.created = t1, fmt.id, fmt.created
         self.metrics.first_from_prefill.inc()
-        return [sse(c) for c in [*fmt.first_chunks(), *fmt.delta_chunks(text, None)]]
+        return [sse(c) for c in [*fmt.first_chunks(), *fmt.delta_chunks(Delta(0, text))]]
 
     def _take_flight(self, route: Route) -> Flight:
         self.inflight += 1
@@ -321,6 +343,16 @@ class Conductor(VllmCalls):
             if not isinstance(exc, RejectedError | BackpressureError):  # busy is not broken
                 self.cluster.mark_failed(w.view.id)
             return None, None, None
+
+
+def _all_sequences(info: RequestInfo, parsed: Parsed) -> RequestInfo:
+    """``info`` of a request's first prompt, widened to all its prompts and sequences (the
+    work admission predicts)."""
+    more = sum(len(ids) for ids in parsed.more_ids)
+    answers = (1 + len(parsed.more_ids)) * int(parsed.params.get("n", 1))
+    return replace(
+        info, num_prompt_tokens=info.num_prompt_tokens + more, max_tokens=info.max_tokens * answers
+    )
 
 
 def _handle(wire: object) -> KVHandle | None:
