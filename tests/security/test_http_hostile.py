@@ -71,14 +71,45 @@ BAD_BODIES = [
     ("negative max_tokens", COMPL, '{"prompt": "x", "max_tokens": -1}', 400, "max_tokens"),
     ("NaN", COMPL, '{"prompt": "x", "temperature": NaN}', 400, ""),
     ("infinite top_p", COMPL, '{"prompt": "x", "top_p": 1e999}', 400, ""),
-    ("n", COMPL, '{"prompt": "x", "n": 1000}', 400, "n=1"),
+    ("n", COMPL, '{"prompt": "x", "n": 1000}', 400, "n must be in [1, 16]"),
+    ("huge n", COMPL, '{"prompt": "x", "n": ' + "9" * 400 + "}", 400, ""),
+    ("negative n", COMPL, '{"prompt": "x", "n": -3}', 400, "n must"),
+    ("zero n", CHAT, '{"messages": [{"role": "user", "content": "x"}], "n": 0}', 400, "n must"),
+    ("string n", COMPL, '{"prompt": "x", "n": "3"}', 400, "n"),
+    ("float n", COMPL, '{"prompt": "x", "n": 2.5}', 400, "n"),
+    ("bool n", COMPL, '{"prompt": "x", "n": true}', 400, "n"),
+    ("huge logprobs", COMPL, '{"prompt": "x", "logprobs": 1000000000}', 400, "logprobs"),
+    ("negative logprobs", COMPL, '{"prompt": "x", "logprobs": -1}', 400, "logprobs"),
+    ("bool logprobs", COMPL, '{"prompt": "x", "logprobs": true}', 400, "logprobs"),
+    ("string logprobs", COMPL, '{"prompt": "x", "logprobs": "5"}', 400, "logprobs"),
+    ("huge top_logprobs", CHAT, json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                            "logprobs": True, "top_logprobs": 10**12}), 400,
+     "top_logprobs"),
+    ("negative top_logprobs", CHAT, json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                                "logprobs": True, "top_logprobs": -1}), 400,
+     "top_logprobs"),
+    ("top_logprobs alone", CHAT, json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                             "top_logprobs": 3}), 400, "logprobs"),
+    ("int chat logprobs", CHAT, json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                            "logprobs": 5}), 400, "logprobs"),
+    ("string echo", COMPL, '{"prompt": "x", "echo": "yes"}', 400, "echo"),
+    ("max_tokens 0 without echo", COMPL, '{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
+    ("best_of", COMPL, '{"prompt": "x", "best_of": 5}', 400, "best_of"),
+    ("prompts x n", COMPL, json.dumps({"prompt": ["x"] * 100, "n": 16}), 400, "choices"),
     ("many stops", COMPL, json.dumps({"prompt": "x", "stop": ["s"] * 10_000}), 400, "stop"),
     ("long stop", COMPL, json.dumps({"prompt": "x", "stop": "s" * 100_000}), 400, "stop"),
     ("empty prompt", COMPL, '{"prompt": ""}', 400, "empty"),
     ("empty token list", COMPL, '{"prompt": []}', 400, "empty"),
     ("unknown token ids", COMPL, '{"prompt": [1, 999999999]}', 400, "token ids"),
     ("negative token ids", COMPL, '{"prompt": [1, -5]}', 400, "token ids"),
-    ("many prompts", COMPL, '{"prompt": ["a", "b"]}', 400, "one prompt"),
+    ("many prompts", COMPL, json.dumps({"prompt": ["a"] * 10_000}), 400, "prompt"),
+    ("many id prompts", COMPL, json.dumps({"prompt": [[1]] * 10_000}), 400, "prompt"),
+    ("an empty prompt among them", COMPL, '{"prompt": ["a", ""]}', 400, "empty"),
+    ("mixed prompts", COMPL, '{"prompt": ["a", [1]]}', 400, "prompt"),
+    ("bad ids in a second prompt", COMPL, '{"prompt": [[1], [1, 999999999]]}', 400,
+     "token ids"),
+    ("a second prompt too long", COMPL, json.dumps({"prompt": [[1], list(range(1, 5000))]}),
+     400, "maximum context length"),
     ("unknown model", COMPL, '{"prompt": "x", "model": "gpt-9"}', 404, "does not exist"),
     ("no messages", CHAT, '{"messages": []}', 400, "messages"),
     ("many messages", CHAT, json.dumps({"messages": [{"role": "u", "content": "x"}] * 5000}),
@@ -93,6 +124,50 @@ BAD_BODIES = [
                          ids=[b[0] for b in BAD_BODIES])  # fmt: skip
 def test_bad_requests_get_clear_errors(cluster, what, path, body, status, word):
     assert_error(post(cluster, path, body), status, *([word] if word else []))
+
+
+def test_wide_requests_are_served(alive):
+    """Several prompts, n, echo and logprobs at once: every choice, in order, with usage."""
+    body = {"prompt": ["The capital of France is", "Once upon a"], "n": 3, "echo": True,
+            "logprobs": 20, "max_tokens": 3, "temperature": 0.7, "seed": 1}  # fmt: skip
+    r = post(alive, COMPL, json.dumps(body))
+    assert r.status_code == 200, r.text[:300]
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(6))
+    assert all(c["logprobs"]["token_logprobs"][0] is None for c in choices)
+    assert all(len(top) <= 21 for c in choices for top in c["logprobs"]["top_logprobs"][1:])
+    assert r.json()["usage"]["completion_tokens"] == 18
+
+
+HOSTILE_DECODES = [
+    {"params": {"n": 10**6}},
+    {"params": {"n": -1}},
+    {"params": {"logprobs": 10**6}},
+    {"params": {"prompt_logprobs": -5}},
+    {"params": {"logprobs": "all"}},
+    {"params": {"seed": 2**80}},
+    {"more_token_ids": [[1]] * 1000},
+    {"more_token_ids": [[1, 10**9]]},
+    {"more_token_ids": [list(range(1, 5000))]},
+    {"more_token_ids": "abc"},
+    {"echo": "yes"},
+    {"prompt_only": True},
+    {"kind": "chat", "more_token_ids": [[1]]},
+]
+
+
+@pytest.mark.parametrize("change", HOSTILE_DECODES, ids=[str(d)[:40] for d in HOSTILE_DECODES])
+def test_hostile_decode_requests_are_400(cluster, change):
+    """The workers' typed route (with the cluster's internal key, where there is one) checks
+    the new fields as strictly as the public API."""
+    body = {"request_id": "sec-d", "kind": "completion", "token_ids": [1, 2, 3],
+            "params": {"max_tokens": 2}}  # fmt: skip
+    for key, value in change.items():
+        body[key] = {**body[key], **value} if key == "params" else value
+    worker = cluster.workers("decode")[0]["address"]
+    r = httpx.post(f"http://{worker}/internal/generate", json=body, headers=cluster.internal,
+                   timeout=30)  # fmt: skip
+    assert_error(r, 400)
 
 
 def test_prompts_that_can_never_fit_are_400_not_429(alive):
@@ -150,8 +225,10 @@ def test_slow_header_connections_are_closed(alive):
 
 
 def _disconnect_early(c: Cluster, i: int) -> None:
-    body = json.dumps({"prompt": f"Count to a hundred, attempt {i}:", "max_tokens": 48,
-                       "stream": i % 2 == 0, "temperature": 0}).encode()  # fmt: skip
+    prompt = f"Count to a hundred, attempt {i}:"
+    wide = {"prompt": [prompt, "And backwards:"], "n": 3, "logprobs": 2, "echo": True}
+    body = json.dumps({"prompt": prompt, "max_tokens": 48, "stream": i % 2 == 0,
+                       "temperature": 0, **(wide if i % 5 == 0 else {})}).encode()  # fmt: skip
     auth = f"Authorization: Bearer {c.token}\r\n" if c.token else ""
     with socket.create_connection(("127.0.0.1", c.port), timeout=10) as s:
         s.sendall(f"POST {COMPL} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
