@@ -77,6 +77,40 @@ def test_cache_aware_ignores_dead_and_decode_workers():
     assert get_policy("cache_aware").choose_prefill(snap(dead, dec), req()) is None
 
 
+def test_local_cache_aware_counts_only_each_workers_own_cache():
+    policy = get_policy("local")
+    holder, other = worker("a", cached=8), worker("b")
+    got = policy.choose_prefill(snap(holder, other), req(pool=8))
+    assert got.worker_id == "a" and got.local_blocks == 8 and got.pool_blocks == 0
+    # the pool holds the whole prefix, but local never plans a load: a busy holder still
+    # beats recomputing 133 tokens elsewhere (cache_aware would pull it from the pool)
+    hot = worker("a", cached=8, queued=100)  # 0.11 s queue + 0.015 s vs 0.143 s from scratch
+    got = policy.choose_prefill(snap(hot, other), req(pool=8))
+    assert got.worker_id == "a" and got.pool_blocks == 0
+    assert get_policy("cache_aware").choose_prefill(snap(hot, other), req(pool=8)).worker_id == "b"
+    # when the holder's queue costs more than its prefix saves, the least loaded one wins
+    hotter = worker("a", cached=8, queued=200)
+    got = policy.choose_prefill(snap(hotter, other), req(pool=8))
+    assert got.worker_id == "b" and got.local_blocks == 0
+    assert got.predicted_s == pytest.approx(COST.prefill_s(133))
+    # a longer local prefix wins over a shorter one on equal queues; ties go to the first id
+    assert policy.choose_prefill(snap(worker("b", cached=2), worker("c", cached=5)),
+                                 req()).worker_id == "c"  # fmt: skip
+    assert policy.choose_prefill(snap(worker("b"), worker("a")), req()).worker_id == "a"
+
+
+def test_local_policy_is_registered_and_ignores_dead_and_decode_workers():
+    dead = worker("a", cached=8)
+    dead.alive = False
+    dec = worker("d", role="decode", cached=8)
+    assert get_policy("local").name == "local"
+    assert get_policy("local").choose_prefill(snap(dead, dec, worker("b")), req()).worker_id == "b"
+    assert get_policy("local").choose_prefill(snap(dead, dec), req()) is None
+    route = Router(get_policy("local"), SLOConfig(ttft_s=None, tbt_s=None)).route(
+        snap(worker("p", cached=8), worker("d", role="decode")), req(), 0
+    )
+    assert route.prefill.worker_id == "p" and route.decode.worker_id == "d"
+
 def test_round_robin_random_and_least_load():
     ws = [worker("a", queued=50), worker("b", queued=10), worker("c", queued=30)]
     rr = get_policy("round_robin")

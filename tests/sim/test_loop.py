@@ -1,0 +1,120 @@
+"""The event loop and the cluster model on hand-made requests, against hand-computed times."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import OVERHEAD, request, step
+
+from kvpool.sim.events import ARRIVAL, FINISH, EventLoop
+from kvpool.sim.run import simulate
+from kvpool.sim.systems import SimConfig, SystemSpec
+
+EXACT = {"rel": 1e-12, "abs": 1e-15}
+
+
+def cfg(profile, **kw) -> SimConfig:
+    return SimConfig(profile, 4, decode_prefill_tokens=0, poll_interval=0.0, **kw)
+
+
+def disagg(policy="cache_aware", pool=False, prefill=1, decode=1) -> SystemSpec:
+    return SystemSpec("s", policy, prefill=prefill, decode=decode, pool=pool)
+
+
+def test_event_loop_orders_by_time_priority_then_fifo():
+    loop, seen = EventLoop(), []
+    loop.at(1.0, seen.append, "arrival", prio=ARRIVAL)
+    loop.at(1.0, seen.append, "finish-1", prio=FINISH)
+    loop.at(0.5, seen.append, "early")
+    loop.at(1.0, seen.append, "finish-2", prio=FINISH)
+    assert loop.run(until=0.7) == 0.5 and seen == ["early"]
+    loop.run()
+    assert seen == ["early", "finish-1", "finish-2", "arrival"] and loop.events == 4
+    with pytest.raises(ValueError, match="past"):
+        loop.at(0.2, seen.append, "late")
+
+
+def test_one_request_prefill_transfer_decode(toy):
+    r = simulate(disagg(), cfg(toy), [request(0, 0.0, 10, 3, "a", "b")])
+    rec = r.records[0]
+    ttft = step(prefill=10, pairs=55, logits=1)  # 10 tokens, causal pairs 10*11/2
+    arrive = ttft + 10 * 8 / 8000 + OVERHEAD  # its KV over the decode node's link
+    t2 = arrive + step(logits=1, decodes=1, decode_context=11)
+    t3 = t2 + step(logits=1, decodes=1, decode_context=12)
+    assert rec.status == "ok" and rec.cached_tokens == 0
+    assert rec.token_times == pytest.approx([ttft, t2, t3], **EXACT)
+    assert rec.ttft == pytest.approx(ttft, **EXACT) and rec.end_s == pytest.approx(t3, **EXACT)
+    assert rec.tbt == pytest.approx(t2 - ttft, **EXACT)  # the longest gap (one of two)
+    assert rec.prefill_node == "prefill-0" and rec.decode_node == "decode-0"
+    assert r.summary["completed"] == 1 and r.summary["sim_transfers"] == 1
+
+
+def test_second_turn_reuses_the_local_prefix(toy):
+    reqs = [request(0, 0.0, 10, 3, "a", "b"), request(1, 1.0, 10, 2, "a", "b")]
+    r = simulate(disagg(), cfg(toy), reqs)
+    rec = r.records[1]
+    ttft = step(prefill=2, pairs=2 * 8 + 3, context=8, logits=1)  # 8 tokens cached
+    t2 = ttft + 0.01 + OVERHEAD + step(logits=1, decodes=1, decode_context=11)
+    assert rec.cached_tokens == 8 and rec.predicted_hit_tokens == 8
+    assert rec.token_times == pytest.approx([ttft, t2], **EXACT)
+    assert rec.route_outcome == "as_predicted"
+    assert r.summary["prefix_hit_rate"] == pytest.approx(8 / 20)
+
+
+def test_batching_link_queueing_and_decode_joins(toy):
+    # a one-token request keeps the prefill node busy while two more arrive
+    reqs = [request(0, 0.0, 40, 1, "x"), request(1, 0.001, 10, 3, "a", "b"),
+            request(2, 0.001, 10, 3, "c", "d")]  # fmt: skip
+    r = simulate(disagg(), cfg(toy), reqs)
+    first, a, b = r.records
+    t0 = step(prefill=40, pairs=40 * 41 / 2, logits=1)
+    assert first.token_times == pytest.approx([t0], **EXACT)
+    t = t0 + step(prefill=20, pairs=110, logits=2)  # the next two in one prefill step
+    a_at = t + 0.01 + OVERHEAD
+    b_at = t + 0.02 + OVERHEAD  # behind a's transfer on the same link
+    s1 = step(logits=1, decodes=1, decode_context=11)  # a alone (b arrives during it)
+    assert b_at < a_at + s1
+    s2 = step(logits=2, decodes=2, decode_context=12 + 11)  # a and b together
+    s3 = step(logits=1, decodes=1, decode_context=12)  # b alone
+    since = 0.001  # token times count from the arrival
+    assert a.token_times == pytest.approx([x - since for x in (t, a_at + s1, a_at + s1 + s2)],
+                                          **EXACT)  # fmt: skip
+    assert b.token_times == pytest.approx(
+        [x - since for x in (t, a_at + s1 + s2, a_at + s1 + s2 + s3)], **EXACT
+    )
+
+
+def test_long_prompt_is_chunked_on_the_prefill_node(toy):
+    # budget 64 tokens per step: 100 tokens = 64, then 36 after a 64-token context
+    r = simulate(disagg(), cfg(toy), [request(0, 0.0, 100, 1, "a")])
+    first = step(prefill=64, pairs=64 * 65 / 2, logits=0)
+    second = step(prefill=36, pairs=36 * 64 + 36 * 37 / 2, context=64, logits=1)
+    rec = r.records[0]
+    assert rec.token_times == pytest.approx([first + second], **EXACT)
+    assert rec.end_s == rec.ttft and r.summary["sim_transfers"] == 0  # one token: no decode
+
+
+def test_colocated_without_chunking_stalls_the_decodes(toy):
+    unchunked = SystemSpec("v", "least_load", colocated=1, chunked=False, pool=False)
+    chunked = SystemSpec("c", "least_load", colocated=1, chunked=True, pool=False)
+    reqs = [request(0, 0.0, 10, 4, "a", "b"), request(1, 0.02, 10, 2, "c", "d")]
+    a = simulate(unchunked, cfg(toy), reqs).records[0]
+    t1 = step(prefill=10, pairs=55, logits=1)
+    assert t1 > 0.02  # request 1 arrived during a's prefill
+    p2 = step(prefill=10, pairs=55, logits=1)  # request 1's prefill alone: a waits
+    d1 = step(logits=2, decodes=2, decode_context=11 + 11)  # then both decode
+    assert a.token_times[1] == pytest.approx(t1 + p2 + d1, **EXACT)
+    c = simulate(chunked, cfg(toy), reqs).records[0]
+    # chunked: budget 16 - 1 decode = 15 tokens of request 1 beside a's decode
+    mixed = step(prefill=10, pairs=55, logits=2, decodes=1, decode_context=11)
+    assert c.token_times[1] == pytest.approx(t1 + mixed, **EXACT)
+
+
+def test_short_remainder_is_computed_on_the_decode_node(toy):
+    conf = SimConfig(toy, 4, decode_prefill_tokens=64, poll_interval=0.0)
+    r = simulate(disagg(), conf, [request(0, 0.0, 10, 2, "a", "b")])
+    rec = r.records[0]
+    assert rec.prefill_node == "decode-0" and r.summary["sim_transfers"] == 0
+    t1 = step(prefill=10, pairs=55, logits=1)  # no transfer: decode computes and goes on
+    assert rec.token_times == pytest.approx(
+        [t1, t1 + step(logits=1, decodes=1, decode_context=11)], **EXACT
+    )
