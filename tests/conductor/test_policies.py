@@ -111,6 +111,7 @@ def test_local_policy_is_registered_and_ignores_dead_and_decode_workers():
     )
     assert route.prefill.worker_id == "p" and route.decode.worker_id == "d"
 
+
 def test_round_robin_random_and_least_load():
     ws = [worker("a", queued=50), worker("b", queued=10), worker("c", queued=30)]
     rr = get_policy("round_robin")
