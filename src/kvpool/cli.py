@@ -10,6 +10,7 @@ from kvpool.entrypoints import bench as bench_cli
 from kvpool.entrypoints import conductor as conductor_cli
 from kvpool.entrypoints import roofline as roofline_cli
 from kvpool.entrypoints import serve as cli_serve
+from kvpool.entrypoints import sim as sim_cli
 from kvpool.entrypoints import store as store_cli
 from kvpool.entrypoints import transfer as transfer_cli
 from kvpool.entrypoints import worker as worker_cli
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     conductor_cli.add_parser(subparsers)
     bench_cli.add_parser(subparsers)
     roofline_cli.add_parser(subparsers)
+    sim_cli.add_parser(subparsers)
     return parser
 
 

@@ -118,3 +118,30 @@ def test_short_remainder_is_computed_on_the_decode_node(toy):
     assert rec.token_times == pytest.approx(
         [t1, t1 + step(logits=1, decodes=1, decode_context=11)], **EXACT
     )
+
+
+def test_fast_forwarded_decode_runs_equal_step_by_step_events(toy):
+    import random
+
+    from kvpool.sim.cluster import SimCluster
+    from kvpool.sim.results import records
+
+    rng = random.Random(5)
+    reqs, t = [], 0.0
+    for i in range(40):
+        t += rng.expovariate(8.0)
+        blocks = [f"s{rng.randrange(4)}", *(f"r{i}-{j}" for j in range(rng.randrange(1, 6)))]
+        reqs.append(request(i, t, 4 * len(blocks) + rng.randrange(1, 4), rng.randrange(1, 40),
+                            *blocks))  # fmt: skip
+    system = disagg(prefill=2, decode=2, pool=True)
+
+    def run(fast: bool):
+        c = SimCluster(system, SimConfig(toy, 4, poll_interval=0.05), reqs)
+        c.fast_forward = fast
+        c.run()
+        return [r.token_times for r in records(c)], [r.prefill_node for r in records(c)], \
+            c.loop.events  # fmt: skip
+
+    fast, slow = run(True), run(False)
+    assert fast[0] == slow[0] and fast[1] == slow[1]  # the same floats, the same routes
+    assert fast[2] < slow[2] * 0.7  # in fewer events

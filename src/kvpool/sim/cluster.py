@@ -46,6 +46,9 @@ class SimCluster:
         self.transfers = 0
         self.transfer_bytes = 0.0
         self.active = 0  # nodes in a step (host_cores: one host shared)
+        # runs of decode-only steps as one event (not when nodes share a host: each step's
+        # slowdown depends on what the others do at that moment)
+        self.fast_forward = p.node.host_cores is None
         self.worker_cost = self._worker_cost(requests)
         self.view = ConductorView(self.nodes, self.worker_cost, self.pool, bt, self.block_bytes,
                                   p.network.bytes_per_s)  # fmt: skip

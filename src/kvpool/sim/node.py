@@ -11,13 +11,17 @@ from the pool is loaded while the queue moves on, then the request comes back to
 
 Decode bookkeeping is O(1) per step: the node keeps the end times of its decode steps, each
 running request its first step's index and a heap entry with its last step's index; the KV
-read by a step is the running total of the batch's context.
+read by a step is the running total of the batch's context. A run of decode-only steps until
+the next request finishes is one event (``fast_forward``): its step times are computed at
+once, exactly as step-by-step events would add them up; anything arriving meanwhile cuts the
+run at the end of the step in progress, where it would have joined anyway.
 """
 
 from __future__ import annotations
 
 import heapq
 from array import array
+from bisect import bisect_left, bisect_right
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -34,8 +38,9 @@ MAX_REMAINING = 256  # as a worker's status reports at most (protocol.worker)
 class Node:
     __slots__ = ("admit", "batch", "budget", "busy", "busy_s", "cache", "chunked", "ctx",
                  "decode_ends", "decoded_tokens", "heap", "id", "kv_cap", "kv_used",
-                 "loading", "max_batch", "partial", "prefilled_tokens", "queue",
-                 "queued_tokens", "requests", "role", "sim", "steps")  # fmt: skip
+                 "loading", "macro", "macro_start", "max_batch", "partial", "prefilled_tokens",
+                 "queue", "queued_tokens", "requests", "role", "sim", "steps",
+                 "version")  # fmt: skip
 
     def __init__(self, sim: SimCluster, node_id: str, role: str, *, budget: int,
                  chunked: bool, cache_blocks: int) -> None:  # fmt: skip
@@ -57,6 +62,9 @@ class Node:
         self.busy = False
         self.busy_s = 0.0
         self.steps = self.prefilled_tokens = self.decoded_tokens = self.requests = 0
+        self.macro: list[float] | None = None  # end times of a fast-forwarded run of steps
+        self.macro_start = 0.0
+        self.version = 0  # a cut run's end event is stale
 
     # -- arrivals ---------------------------------------------------------------------------
 
@@ -86,8 +94,11 @@ class Node:
     # -- the step ---------------------------------------------------------------------------
 
     def kick(self) -> None:
-        if not self.busy and (self.queue or self.admit or self.batch):
-            self._start()
+        if not self.busy:
+            if self.queue or self.admit or self.batch:
+                self._start()
+        elif self.macro is not None:
+            self._cut()
 
     def _join(self) -> None:
         steps = len(self.decode_ends)
@@ -139,6 +150,9 @@ class Node:
         decodes = self.batch if (self.chunked or not chunks) else 0
         if not chunks and not decodes:
             return  # everything waits for a load or for room
+        if not chunks and self.sim.fast_forward and self.heap[0][0] > len(self.decode_ends):
+            self._run_decodes()
+            return
         tokens = pairs = context = 0
         completes = 0
         for job, take in chunks:
@@ -168,21 +182,67 @@ class Node:
             self.decode_ends.append(now)
             self.ctx += decodes
             self.decoded_tokens += decodes
-            last = len(self.decode_ends) - 1
-            heap = self.heap
-            while heap and heap[0][0] <= last:
-                _, _, job = heapq.heappop(heap)
-                r = job.req
-                self.batch -= 1
-                self.ctx -= r.input_tokens + r.output_tokens
-                self.kv_used -= r.input_tokens + r.output_tokens
-                self.sim.finished(job, now)
+            self._finish(now)
+        self.kick()
+
+    def _finish(self, now: float) -> None:
+        """The requests whose last decode step just ended leave the batch."""
+        last = len(self.decode_ends) - 1
+        heap = self.heap
+        while heap and heap[0][0] <= last:
+            _, _, job = heapq.heappop(heap)
+            r = job.req
+            self.batch -= 1
+            self.ctx -= r.input_tokens + r.output_tokens
+            self.kv_used -= r.input_tokens + r.output_tokens
+            self.sim.finished(job, now)
+
+    # -- fast-forward: decode-only steps until the next request finishes ---------------------
+
+    def _run_decodes(self) -> None:
+        now = self.sim.loop.now
+        step, b, ctx = self.sim.cost.step_s, self.batch, self.ctx
+        times = []
+        for _ in range(self.heap[0][0] - len(self.decode_ends) + 1):
+            now = now + step(0, 0, 0, b, b, ctx)
+            times.append(now)
+            ctx += b
+        self.macro, self.macro_start = times, self.sim.loop.now
+        self.busy = True
+        self.version += 1
+        self.sim.loop.at(times[-1], self._end_run, self.version)
+
+    def _cut(self) -> None:
+        """Work arrived during a run: end it with the step in progress."""
+        times = self.macro
+        assert times is not None
+        m = bisect_left(times, self.sim.loop.now)
+        if m < len(times) - 1:
+            self.macro = times[: m + 1]
+            self.version += 1
+            self.sim.loop.at(times[m], self._end_run, self.version)
+
+    def _end_run(self, version: int) -> None:
+        if version != self.version:
+            return  # cut short: a later event ends it
+        times, b = self.macro, self.batch
+        assert times is not None
+        self.macro = None
+        self.busy = False
+        self.busy_s += times[-1] - self.macro_start
+        self.steps += len(times)
+        self.decode_ends.extend(times)
+        self.ctx += b * len(times)
+        self.decoded_tokens += b * len(times)
+        self._finish(self.sim.loop.now)
         self.kick()
 
     # -- what a status poll reports ---------------------------------------------------------
 
     def remaining_tokens(self) -> list[int]:
         steps = len(self.decode_ends)
+        if self.macro is not None:
+            steps += bisect_right(self.macro, self.sim.loop.now)
         return [last - steps + 1 for last, _, _ in self.heap[:MAX_REMAINING]]
 
     @property

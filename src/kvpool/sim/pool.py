@@ -5,8 +5,14 @@ placement on the pool nodes' DRAM segments, two-phase puts, read leases (a looku
 protects a block for ``lease_ttl`` seconds), and eviction from the high watermark down to the
 low one, coldest first by decayed access frequency. Every block is one object of ``UNIT``
 bytes in the master's books (the allocator's alignment: equal sizes evict exactly as the real
-block bytes would, and no byte limit of the real store gets in the way); a pool node holds
-``blocks_per_node`` of them.
+block bytes would, and no byte limit of the real store gets in the way).
+
+The pool's nodes are booked as one DRAM segment of their total capacity (``nodes *
+blocks_per_node`` blocks): with one replica per block and blocks of one size, spreading them
+over several segments changes neither what fits nor what is evicted (the master's usage,
+watermarks and eviction order are over the whole tier), and one segment keeps each put from
+sorting every node (the real master's placement cost, which a simulation of hundreds of
+thousands of puts does not need to pay).
 """
 
 from __future__ import annotations
@@ -22,8 +28,8 @@ UNIT = 64
 
 
 class PoolModel:
-    __slots__ = ("_beat", "clock", "keys", "load_blocks", "lookups", "nodes", "put_failures",
-                 "puts", "state")  # fmt: skip
+    __slots__ = ("_beat", "clock", "count", "keys", "load_blocks", "lookups", "nodes",
+                 "put_failures", "puts", "state")  # fmt: skip
 
     def __init__(self, nodes: int, blocks_per_node: int, clock: Callable[[], float],
                  config: MasterConfig | None = None) -> None:  # fmt: skip
@@ -31,9 +37,9 @@ class PoolModel:
             raise ValueError("a pool needs >= 1 node of >= 1 block")
         self.clock = clock
         self.state = MasterState(config or MasterConfig(), clock)
-        self.nodes = [f"pool-{i}" for i in range(nodes)]
-        for n in self.nodes:
-            self.state.mount(n, f"{n}/dram", Tier.DRAM, blocks_per_node * UNIT)
+        self.nodes = ["pool"]
+        self.state.mount("pool", "pool/dram", Tier.DRAM, nodes * blocks_per_node * UNIT)
+        self.count = nodes
         self.keys: dict[bytes, str] = {}
         self._beat = clock()
         self.puts = self.put_failures = self.lookups = self.load_blocks = 0
@@ -115,7 +121,7 @@ class PoolModel:
 
     def stats(self) -> dict:
         used, cap = self.state.usage(Tier.DRAM)
-        return {"pool_nodes": len(self.nodes), "pool_capacity_blocks": cap // UNIT,
+        return {"pool_nodes": self.count, "pool_capacity_blocks": cap // UNIT,
                 "pool_used_blocks": used // UNIT, "pool_puts": self.puts,
                 "pool_put_failures": self.put_failures, "pool_evictions": self.evictions,
                 "pool_lookups": self.lookups, "pool_loaded_blocks": self.load_blocks}  # fmt: skip

@@ -5,9 +5,9 @@ each node's load, the queues over time."""
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
-from kvpool.bench.metrics import RequestRecord, summarize
+from kvpool.bench.metrics import RequestRecord, summarize, tbt_of
 from kvpool.sim.cluster import SimCluster
 from kvpool.sim.job import OUTCOMES, outcome
 
@@ -26,6 +26,32 @@ class SimRecord(RequestRecord):
     best_hit_tokens: int = 0  # the longest prefix any worker or the pool held at routing
     predicted_ttft_s: float | None = None
     route_outcome: str = ""
+    # the gaps and TBT, computed once: a summary and its plots ask for them many times
+    memo: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    def _memo(self) -> tuple:
+        if self.memo is None:
+            gaps = RequestRecord.gaps.fget(self)  # type: ignore[attr-defined]
+            self.memo = (gaps, tbt_of(gaps))
+        return self.memo
+
+    @property
+    def gaps(self) -> list[float]:
+        return self._memo()[0]
+
+    @property
+    def tbt(self) -> float | None:
+        return self._memo()[1]
+
+    def to_row(self) -> dict:
+        """``RequestRecord.to_row``'s columns, without its ``asdict`` (a deep copy of every
+        token time: most of a large report's writing time)."""
+        row = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("token_times", "memo")}  # fmt: skip
+        row.update(ttft_s=self.ttft, tbt_s=self.tbt, tpot_s=self.tpot, e2e_s=self.end_s,
+                   num_chunks=len(self.token_times),
+                   token_times_s=" ".join(f"{t:.4f}" for t in self.token_times))  # fmt: skip
+        return row
 
 
 def _record(c: SimCluster, i: int) -> SimRecord:
