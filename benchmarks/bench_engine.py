@@ -144,6 +144,7 @@ def bench_llamacpp(res: Results, ours: Kvpool, new: int, rounds: int) -> None:
     log(f"decode_b1 against llama.cpp: 128 tokens, {new} new, {rounds} rounds")
     mine, theirs = [], []
     for r in range(rounds):
+
         def kv() -> None:
             t1, tn = ours.generate([prompt], 1), ours.generate([prompt], new)
             mine.append((new - 1) / (tn - t1))
