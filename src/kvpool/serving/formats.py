@@ -47,9 +47,8 @@ def usage(outs: Sequence[RequestOutput], opts: ResponseOptions = ResponseOptions
     }
 
 
-def finish_reason(out: CompletionOutput | RequestOutput) -> str | None:
-    if isinstance(out, RequestOutput):
-        out = out.outputs[0]
+def finish_reason(out: CompletionOutput) -> str | None:
+    """OpenAI's finish reason of one choice (an aborted or failed one reads ``stop``)."""
     reason = out.finish_reason
     return None if reason is None else _OPENAI_FINISH.get(reason, reason)
 

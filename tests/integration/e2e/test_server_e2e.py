@@ -106,7 +106,7 @@ def test_bad_requests(client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2)
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=17)  # n: 1..16
 
 
 def test_repeated_prompt_reports_cached_tokens(client):
