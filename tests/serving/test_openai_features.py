@@ -260,3 +260,20 @@ def test_internal_generate_several_prompts_echo_and_logprobs(client):
     assert got["usage"] == public["usage"]
     bad = {**body, "first_token": 5, "response_id": "x", "created": 1, "stream": True}
     assert client.post("/internal/generate", json=bad).status_code == 400
+
+
+def test_streamed_echo_of_the_prompt_alone(client):
+    kw = {"prompt": [IDS, IDS[:7]], "max_tokens": 0, "echo": True, "logprobs": 1, "n": 2,
+          "stream_options": {"include_usage": True}}  # fmt: skip
+    full = post(client, COMPL, **{**kw, "stream_options": None})
+    evs = events(client, COMPL, **kw)
+    assert evs[-1]["usage"]["completion_tokens"] == 0
+    chunks = [e["choices"][0] for e in evs[:-1]]
+    assert sorted(c["index"] for c in chunks) == [0, 1, 2, 3]  # one chunk per choice
+    by_index = {c["index"]: c for c in chunks}
+    for c in full["choices"]:
+        got = by_index[c["index"]]
+        assert got["text"] == c["text"] == prompt_text(client, [IDS, IDS[:7]][c["index"] // 2])
+        assert got["finish_reason"] == c["finish_reason"] == "length"
+        assert got["logprobs"]["tokens"] == c["logprobs"]["tokens"]
+        assert got["logprobs"]["token_logprobs"][0] is None
