@@ -119,3 +119,14 @@ def test_the_pool_evicts_with_the_stores_own_code():
     assert small.summary["sim_pool_used_blocks"] <= 9
     assert small.records[6].cached_tokens == 0 and small.records[5].status == "ok"
     assert big.summary["sim_pool_loaded_blocks"] == 2  # the last request read its chain
+
+
+def test_timelines_stay_bounded_however_long_the_run(toy):
+    from kvpool.sim.cluster import SimCluster
+
+    # every request at time 0 (no span to pace the samples by), then a long decode tail
+    reqs = [request(i, 0.0, 10, 400, f"a{i}", f"b{i}") for i in range(5)]
+    c = SimCluster(SystemSpec("s", "least_load", prefill=1, decode=1, pool=False),
+                   cfg(toy, samples=10), reqs)  # fmt: skip
+    c.run()
+    assert len(c.timeline) < 20 and c.timeline[-1][0] > 1.0  # it covered the whole run

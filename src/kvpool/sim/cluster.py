@@ -96,14 +96,19 @@ class SimCluster:
         for tp in sorted(polls):
             loop.at(tp, self.view.poll, prio=POLL)
         span = self.requests[-1].arrival_s if self.requests else 0.0
-        self._every = max(span, 1e-3) / (self.cfg.samples - 1)
+        self._every = (span or 1.0) / (self.cfg.samples - 1)
         loop.at(0.0, self._sample, prio=SAMPLE)
         return loop.run()
 
     def _sample(self) -> None:
+        """A timeline point; every other one goes (and the period doubles) when the run
+        outlasts the arrivals' span by far, so a timeline holds at most 2 x ``samples``."""
         used = self.pool.used_blocks if self.pool is not None else 0
         self.timeline.append((self.loop.now, [n.queued_tokens for n in self.nodes],
                               [n.batch for n in self.nodes], used))  # fmt: skip
+        if len(self.timeline) >= 2 * self.cfg.samples:
+            self.timeline = self.timeline[::2]
+            self._every *= 2
         if len(self.loop):  # until the cluster is idle
             self.loop.after(self._every, self._sample, prio=SAMPLE)
 
