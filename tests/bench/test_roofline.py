@@ -52,13 +52,19 @@ def test_analyze_finds_the_binding_ceiling():
 
 
 def test_machine_limits_are_measured_once_then_cached(tmp_path, monkeypatch):
+    from kvpool.model import machine
+
     monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path))
+    assert machine.known_limits() is None  # a server never measures: nothing known yet
     calls = []
-    monkeypatch.setattr(rl, "measure_machine", lambda k=None: calls.append(1) or limits())
-    assert rl.machine_limits() == rl.machine_limits() == limits()
+    monkeypatch.setattr(machine, "measure_machine", lambda k=None: calls.append(1) or limits())
+    assert machine.machine_limits() == machine.machine_limits() == limits()
     assert len(calls) == 1
-    rl.machine_limits(fresh=True)
+    machine.machine_limits(fresh=True)
     assert len(calls) == 2
+    assert machine.known_limits() == limits()
+    (tmp_path / "autotune" / "machine.json").write_text('{"x": 1}')  # another version
+    assert machine.known_limits() is None
 
 
 def test_measure_machine_gives_positive_figures():

@@ -12,56 +12,19 @@ dispatch, synchronization).
 
 from __future__ import annotations
 
-import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kvpool.model.autotune import best_time, cpu_name
-from kvpool.model.cache import cache_root
-from kvpool.model.kv_quant import row_width
-from kvpool.model.linear import BlockLinear
-from kvpool.model.llama import LlamaModel
+from kvpool.model.machine import MachineLimits, machine_limits, measure_machine
+from kvpool.model.step_cost import StepCost, step_cost
+
+__all__ = ["MachineLimits", "RooflineRow", "StepCost", "analyze", "kv_sources",
+           "machine_limits", "measure_decode", "measure_machine", "plot", "step_cost"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
-
-BANDWIDTH_BYTES = 512 << 20  # what the bandwidth probe streams (far beyond any cache)
-
-
-@dataclass(slots=True)
-class MachineLimits:
-    """What this machine moves and computes, measured with ``threads`` threads."""
-
-    cpu: str
-    threads: int
-    read_gbps: float  # streaming a buffer once (what a decode step does with its weights)
-    copy_gbps: float  # read + write of a copy
-    gemm_gflops: float  # float32 GEMM, large square matrices
-    # the block kernel's multiply-adds x 2 per second by batch rows (kernels/qgemm.cpp, a
-    # 3072 x 1024 q4 matrix): its rate grows with the rows that share each weight block
-    block_gops: dict[int, float] = field(default_factory=dict)
-
-    def block_rate(self, rows: int) -> float:
-        """GOP/s of the block kernel at ``rows`` (the nearest measured batch below)."""
-        known = sorted(self.block_gops)
-        if not known:
-            return 0.0
-        below = [r for r in known if r <= rows] or known[:1]
-        return self.block_gops[below[-1]]
-
-
-@dataclass(slots=True)
-class StepCost:
-    weight_bytes: int
-    kv_bytes: int
-    flops: float
-    block_flops: float  # of which through the block kernel
-
-    @property
-    def bytes(self) -> int:
-        return self.weight_bytes + self.kv_bytes
 
 
 @dataclass(slots=True)
@@ -82,79 +45,6 @@ class RooflineRow:
     @property
     def verdict(self) -> str:
         return self.bound if self.share >= 0.5 else "neither (overhead)"
-
-
-def measure_machine(kernels=None) -> MachineLimits:
-    """Read and copy bandwidth, float32 GEMM rate and the block kernel's rate, measured now."""
-    n = BANDWIDTH_BYTES // 4
-    src, dst = torch.ones(n), torch.empty(n)
-    read = best_time(lambda: src.sum(), reps=5)
-    copy = best_time(lambda: dst.copy_(src), reps=5)
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    gemm = best_time(lambda: torch.mm(a, b))
-    block: dict[int, float] = {}
-    if kernels is not None:
-        from kvpool.model.autotune import ROWS
-        from kvpool.model.quant import quantize
-
-        w = quantize(torch.randn(3072, 1024) * 0.02, "q4")  # 1.9 MB: cache-resident
-        for rows in ROWS:
-            x = torch.randn(rows, 1024)
-            t = best_time(lambda x=x: kernels.qlinear(x, w.qs, w.d, w.m))
-            block[rows] = 2 * rows * 3072 * 1024 / t / 1e9
-    return MachineLimits(cpu_name(), torch.get_num_threads(), BANDWIDTH_BYTES / read / 1e9,
-                         2 * BANDWIDTH_BYTES / copy / 1e9, 2 * 1024**3 / gemm / 1e9, block)  # fmt: skip
-
-
-def machine_limits(kernels=None, fresh: bool = False) -> MachineLimits:
-    """``measure_machine``, cached per CPU and thread count in ``<cache>/autotune/``."""
-    path = cache_root() / "autotune" / "machine.json"
-    key = f"{cpu_name()}|t{torch.get_num_threads()}|{'k' if kernels else '-'}"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if not fresh and isinstance(known.get(key), dict):
-        try:
-            saved = dict(known[key])
-            saved["block_gops"] = {int(k): float(v) for k, v in saved["block_gops"].items()}
-            return MachineLimits(**saved)
-        except (KeyError, TypeError, ValueError, AttributeError):
-            logger.info("the cached machine limits are of another version: measuring again")
-    limits = measure_machine(kernels)
-    known[key] = asdict(limits)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(known, indent=1, sort_keys=True))
-    except OSError as exc:
-        logger.info("could not cache the machine's limits (%s)", exc)
-    return limits
-
-
-def step_cost(model: LlamaModel, batch: int, context: int) -> StepCost:
-    """Bytes and FLOPs of one decode step of ``batch`` sequences of ``context`` tokens."""
-    weights = flops = block_flops = 0.0
-    for lin in model.linears():
-        use_blocks = isinstance(lin, BlockLinear) and batch <= lin.small_rows
-        chosen = lin if use_blocks or not isinstance(lin, BlockLinear) else lin.large
-        weights += chosen.nbytes
-        n_k = _shape(lin)
-        flops += 2.0 * batch * n_k
-        if use_blocks:
-            block_flops += 2.0 * batch * n_k
-    c = model.cfg
-    elem = torch.empty((), dtype=model.kv_dtype).element_size()
-    per_token = c.num_layers * 2 * c.num_kv_heads * row_width(c.head_dim, model.kv_dtype) * elem
-    flops += 4.0 * batch * context * c.num_layers * c.num_heads * c.head_dim  # q.k and p.v
-    return StepCost(int(weights), batch * context * per_token, flops, block_flops)
-
-
-def _shape(lin) -> int:
-    """N * K of a linear layer."""
-    if isinstance(lin, BlockLinear):
-        n, k = lin.weights.shape
-        return n * k
-    return lin.w_t.numel()
 
 
 def analyze(limits: MachineLimits, cost: StepCost, batch: int, context: int,

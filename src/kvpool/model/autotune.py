@@ -70,23 +70,17 @@ def measure_small_rows(kernels: ModuleType, kind: str, k: int, n: int) -> int:
     return limit
 
 
-def small_rows(kernels: ModuleType, kind: str, k: int, n: int) -> int:
-    """``measure_small_rows``, from the cache when this machine measured it before."""
-    if os.environ.get(_ENV):
-        return int(os.environ[_ENV])
-    path = cache_root() / "autotune" / "small_rows.json"
-    key = _key(kind, k, n)
+def cached(name: str, key: str, measure, valid, fresh: bool = False):
+    """``measure()``, kept under ``key`` in ``<cache>/autotune/<name>.json`` and read back from
+    there by later calls (unless ``fresh``) when ``valid(value)`` holds."""
+    path = cache_root() / "autotune" / f"{name}.json"
     try:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
         known = {}
-    if isinstance(known.get(key), int):
+    if not fresh and key in known and valid(known[key]):
         return known[key]
-    t0 = time.perf_counter()
-    limit = measure_small_rows(kernels, kind, k, n)
-    logger.info("block kernel (%s, %dx%d) beats BLAS up to %d rows here (measured in %.1f s)",
-                kind, n, k, limit, time.perf_counter() - t0)  # fmt: skip
-    known[key] = limit
+    value = known[key] = measure()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -94,4 +88,19 @@ def small_rows(kernels: ModuleType, kind: str, k: int, n: int) -> int:
         tmp.replace(path)
     except OSError as exc:  # a read-only cache only costs a measurement per start
         logger.info("could not cache the measurement (%s)", exc)
-    return limit
+    return value
+
+
+def small_rows(kernels: ModuleType, kind: str, k: int, n: int) -> int:
+    """``measure_small_rows``, from the cache when this machine measured it before."""
+    if os.environ.get(_ENV):
+        return int(os.environ[_ENV])
+
+    def measure() -> int:
+        t0 = time.perf_counter()
+        limit = measure_small_rows(kernels, kind, k, n)
+        logger.info("block kernel (%s, %dx%d) beats BLAS up to %d rows here (measured in "
+                    "%.1f s)", kind, n, k, limit, time.perf_counter() - t0)  # fmt: skip
+        return limit
+
+    return cached("small_rows", _key(kind, k, n), measure, lambda v: isinstance(v, int))

@@ -1,0 +1,98 @@
+"""What this machine moves and computes: read and copy bandwidth, the float32 GEMM rate and the
+block kernel's rate, measured once and cached per CPU and thread count (the ceilings of the
+roofline: ``bench/roofline.py``, ``kvpool roofline``, the engine's decode figures)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from kvpool.model.autotune import ROWS, best_time, cached, cpu_name
+
+logger = logging.getLogger(__name__)
+
+BANDWIDTH_BYTES = 512 << 20  # what the bandwidth probe streams (far beyond any cache)
+
+
+@dataclass(slots=True)
+class MachineLimits:
+    """What this machine moves and computes, measured with ``threads`` threads."""
+
+    cpu: str
+    threads: int
+    read_gbps: float  # streaming a buffer once (what a decode step does with its weights)
+    copy_gbps: float  # read + write of a copy
+    gemm_gflops: float  # float32 GEMM, large square matrices
+    # the block kernel's multiply-adds x 2 per second by batch rows (kernels/qgemm.cpp, a
+    # 3072 x 1024 q4 matrix): its rate grows with the rows that share each weight block
+    block_gops: dict[int, float] = field(default_factory=dict)
+
+    def block_rate(self, rows: int) -> float:
+        """GOP/s of the block kernel at ``rows`` (the nearest measured batch below)."""
+        known = sorted(self.block_gops)
+        if not known:
+            return 0.0
+        below = [r for r in known if r <= rows] or known[:1]
+        return self.block_gops[below[-1]]
+
+    @classmethod
+    def from_json(cls, d: dict) -> MachineLimits:
+        d = dict(d)
+        d["block_gops"] = {int(k): float(v) for k, v in d["block_gops"].items()}
+        return cls(**d)
+
+
+def measure_machine(kernels=None) -> MachineLimits:
+    """Read and copy bandwidth, float32 GEMM rate and the block kernel's rate, measured now."""
+    n = BANDWIDTH_BYTES // 4
+    src, dst = torch.ones(n), torch.empty(n)
+    read = best_time(lambda: src.sum(), reps=5)
+    copy = best_time(lambda: dst.copy_(src), reps=5)
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    gemm = best_time(lambda: torch.mm(a, b))
+    block: dict[int, float] = {}
+    if kernels is not None:
+        from kvpool.model.quant import quantize
+
+        w = quantize(torch.randn(3072, 1024) * 0.02, "q4")  # 1.9 MB: cache-resident
+        for rows in ROWS:
+            x = torch.randn(rows, 1024)
+            t = best_time(lambda x=x: kernels.qlinear(x, w.qs, w.d, w.m))
+            block[rows] = 2 * rows * 3072 * 1024 / t / 1e9
+    return MachineLimits(cpu_name(), torch.get_num_threads(), BANDWIDTH_BYTES / read / 1e9,
+                         2 * BANDWIDTH_BYTES / copy / 1e9, 2 * 1024**3 / gemm / 1e9, block)  # fmt: skip
+
+
+def _valid(d: object) -> bool:
+    try:
+        MachineLimits.from_json(d)  # type: ignore[arg-type]
+        return True
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return False
+
+
+def machine_limits(kernels=None, fresh: bool = False) -> MachineLimits:
+    """``measure_machine``, cached per CPU and thread count (``fresh``: measure again)."""
+    key = f"{cpu_name()}|t{torch.get_num_threads()}|{'k' if kernels else '-'}"
+    d = cached("machine", key, lambda: asdict(measure_machine(kernels)), _valid, fresh)
+    return MachineLimits.from_json(d)
+
+
+def known_limits() -> MachineLimits | None:
+    """The limits measured before on this machine with either kernel setting, or None (a
+    server reports them if ``kvpool roofline`` measured them; it never measures itself)."""
+    import json
+
+    from kvpool.model.cache import cache_root
+
+    try:
+        known = json.loads((cache_root() / "autotune" / "machine.json").read_text())
+    except (OSError, ValueError):
+        return None
+    prefix = f"{cpu_name()}|t{torch.get_num_threads()}|"
+    for mark in ("k", "-"):
+        if _valid(known.get(prefix + mark)):
+            return MachineLimits.from_json(known[prefix + mark])
+    return None
