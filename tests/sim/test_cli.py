@@ -23,7 +23,7 @@ def test_a_slice_writes_the_report(tmp_path, capsys):
                "--no-progress"])  # fmt: skip
     assert rc == 0
     said = capsys.readouterr().out
-    assert "cache_aware: 40/40 ok" in said and "effective capacity at TBT" in said
+    assert "cache_aware: 40/40 ok" in said and "effective capacity (req/s)" in said
     for name in ("results.json", "requests.csv", "report.html", "sim.json", "simulation.html",
                  "ttft_by_policy.png", "hit_rate_over_time.png", "queues.png", "node_load.png",
                  "effective_capacity.png", "cdf_ttft_tbt.png", "capacity_vs_tbt.png"):  # fmt: skip
@@ -79,3 +79,13 @@ def test_policy_lists_and_the_pool():
         parse_policies("local:maybe", "auto", False)
     with pytest.raises(ValueError, match="no policy"):
         parse_policies(",", "auto", False)
+
+
+def test_capacity_is_where_the_share_crosses_the_quantile():
+    from kvpool.sim.capacity import crossing
+
+    pts = [{"rate_per_s": r, "share": {"0.1": s}} for r, s in ((1.0, 1.0), (2.0, 0.95),
+                                                              (4.0, 0.75), (8.0, 0.2))]  # fmt: skip
+    assert crossing(pts, "0.1", 0.9) == pytest.approx(2.0 + 0.05 / 0.2 * 2.0)  # 2.5 req/s
+    assert crossing(pts, "0.1", 0.1) == 8.0  # every rate passes: the highest tested
+    assert crossing(pts, "0.1", 1.01) == 0.0

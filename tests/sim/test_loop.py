@@ -145,3 +145,20 @@ def test_fast_forwarded_decode_runs_equal_step_by_step_events(toy):
     fast, slow = run(True), run(False)
     assert fast[0] == slow[0] and fast[1] == slow[1]  # the same floats, the same routes
     assert fast[2] < slow[2] * 0.7  # in fewer events
+
+
+def test_kvpool_decode_worker_computes_the_tail(toy):
+    from conftest import toy_profile
+
+    tail = toy_profile(decode_tail=True)
+    r = simulate(disagg(), cfg(tail), [request(0, 0.0, 10, 4, "a", "b")])
+    rec = r.records[0]
+    t1 = step(prefill=10, pairs=55, logits=1)
+    arrive = t1 + 8 * 8 / 8000 + OVERHEAD  # only the two full blocks travel
+    t2 = arrive + step(prefill=2, pairs=2 * 8 + 3, context=8, logits=1)  # the tail: token 2
+    t3 = t2 + step(logits=1, decodes=1, decode_context=12)  # then decoding from 12 tokens
+    t4 = t3 + step(logits=1, decodes=1, decode_context=13)
+    assert rec.token_times == pytest.approx([t1, t2, t3, t4], **EXACT)
+    assert rec.prefill_node == "prefill-0" and r.summary["sim_transfer_bytes"] == 64
+    two = simulate(disagg(), cfg(tail), [request(0, 0.0, 10, 2, "a", "b")]).records[0]
+    assert two.token_times == pytest.approx([t1, t2], **EXACT)  # no decode step at all

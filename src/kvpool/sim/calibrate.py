@@ -199,7 +199,7 @@ def calibrate(cfg: CalibrationConfig, say: Callable[[str], None]) -> Profile:
                     colocated_chunk_tokens=sc.max_num_batched_tokens,
                     kv_capacity_tokens=num_blocks * eng.block_size,
                     local_cache_blocks=num_blocks, threads=threads,
-                    host_cores=os.cpu_count() or 1)  # fmt: skip
+                    host_cores=os.cpu_count() or 1, decode_tail=True)  # fmt: skip
     pool = PoolSpec(blocks_per_node=max(1, int(cfg.pool_node_bytes) // block_bytes), nodes=1)
     measured = {"samples": [[s.prefill_tokens, s.prefill_context, s.decodes, s.decode_context,
                              s.seconds] for s in samples],
@@ -219,5 +219,7 @@ def calibrate(cfg: CalibrationConfig, say: Callable[[str], None]) -> Profile:
                        "serving limits are kvpool serve's defaults (1 GiB KV per worker, "
                        "a 1 GiB pool node, 64 sequences, 2048 tokens per step)",
                        "per-request HTTP and RPC costs are not measured: only the link's "
-                       "fixed cost per transfer"),
+                       "fixed cost per transfer",
+                       "decode_tail: kvpool's decode worker reads the prompt's full blocks "
+                       "and computes the rest of the prompt itself"),
                    measured=measured)  # fmt: skip

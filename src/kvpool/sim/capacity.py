@@ -3,7 +3,8 @@
 The trace is replayed at several multiples of its request rate; at each TBT threshold a
 system's effective capacity is the highest rate at which at least ``quantile`` (90 %) of all
 requests, rejected ones included, got their first token within the TTFT SLO and kept their TBT
-(mean of the longest 10 % of gaps) within the threshold.
+(mean of the longest 10 % of gaps) within the threshold: the highest swept rate that does,
+linearly interpolated towards the next rate, where the share falls below ``quantile``.
 """
 
 from __future__ import annotations
@@ -59,9 +60,23 @@ def capacity_sweep(systems: list[SystemSpec], cfg: SimConfig, trace: list[TraceR
     finally:
         if bar is not None:
             bar.close()
-    capacity = {name: {f"{th:g}": max((p["rate_per_s"] for p in pts
-                                       if p["share"][f"{th:g}"] >= quantile), default=0.0)
-                       for th in thresholds}
+    capacity = {name: {f"{th:g}": crossing(pts, f"{th:g}", quantile) for th in thresholds}
                 for name, pts in points.items()}  # fmt: skip
     return {"quantile": quantile, "slo_ttft_s": cfg.slo_ttft, "factors": sorted(factors),
             "thresholds": list(thresholds), "points": points, "capacity": capacity}  # fmt: skip
+
+
+def crossing(points: list[dict], threshold: str, quantile: float) -> float:
+    """The rate where the share meeting the SLOs at ``threshold`` falls to ``quantile``: the
+    highest passing rate, interpolated towards the next (failing) one; 0 if none passes."""
+    pts = sorted(points, key=lambda p: p["rate_per_s"])
+    passing = [i for i, p in enumerate(pts) if p["share"][threshold] >= quantile]
+    if not passing:
+        return 0.0
+    i = passing[-1]
+    lo = pts[i]
+    if i + 1 == len(pts):
+        return lo["rate_per_s"]
+    hi = pts[i + 1]
+    a, b = lo["share"][threshold], hi["share"][threshold]
+    return lo["rate_per_s"] + (a - quantile) / (a - b) * (hi["rate_per_s"] - lo["rate_per_s"])

@@ -120,9 +120,9 @@ def run_sim(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     for name, r in results.items():
         say(summary_line(name, r))
     if capacity:
-        tight = f"{min(capacity['thresholds']):g}"
-        say("kvpool sim: effective capacity at TBT <= " + tight + "s: " + ", ".join(
-            f"{n} {c[tight]:.3g} req/s" for n, c in capacity["capacity"].items()))  # fmt: skip
+        for n, c in capacity["capacity"].items():
+            say(f"kvpool sim: {n}: effective capacity (req/s) at TBT threshold: "
+                + ", ".join(f"{t}s {v:.3g}" for t, v in c.items()))  # fmt: skip
     say(f"kvpool sim: wrote {sim_html} and {bench_html}")
     return 0
 

@@ -49,6 +49,7 @@ class SimCluster:
         # runs of decode-only steps as one event (not when nodes share a host: each step's
         # slowdown depends on what the others do at that moment)
         self.fast_forward = p.node.host_cores is None
+        self.decode_tail = p.node.decode_tail
         self.worker_cost = self._worker_cost(requests)
         self.view = ConductorView(self.nodes, self.worker_cost, self.pool, bt, self.block_bytes,
                                   p.network.bytes_per_s)  # fmt: skip
@@ -203,6 +204,10 @@ class SimCluster:
         return start + busy + net.request_overhead_s
 
     def prefill_done(self, node: Node, job: Job, now: float) -> None:
+        if job.first_s >= 0:  # the tail a decode node computed: the second token
+            job.tail_s = now
+            self._decode_or_finish(node, job, now)
+            return
         job.first_s = now
         hashes = job.req.hashes
         node.cache.insert(hashes)
@@ -210,18 +215,27 @@ class SimCluster:
             self.pool.publish(hashes)
         if job.prefill_on:
             self.view.prefill_returned(job.prefill_on, job.pending_tokens)
-        if job.req.output_tokens <= 1:
-            self.finished(job, now)
-        elif node.role == "prefill":
+        if job.req.output_tokens > 1 and node.role == "prefill":
             dec = self.by_id[job.decode_on]
-            done_at = self._reserve(dec.id, job.req.input_tokens * self.kv_token_bytes)
-            self.loop.at(done_at, self._at_decode, dec, job)
+            sent = len(hashes) * self.block_tokens if self.decode_tail else job.req.input_tokens
+            done_at = self._reserve(dec.id, sent * self.kv_token_bytes)
+            self.loop.at(done_at, self._at_decode, dec, job, sent)
         else:
-            node.enqueue_decode(job)
+            self._decode_or_finish(node, job, now)
 
-    def _at_decode(self, dec: Node, job: Job) -> None:
+    def _decode_or_finish(self, node: Node, job: Job, now: float) -> None:
+        if job.decode_tokens > 0:
+            node.enqueue_decode(job)
+        else:
+            self.finished(job, now)
+
+    def _at_decode(self, dec: Node, job: Job, sent: int) -> None:
         dec.cache.insert(job.req.hashes)  # the decode engine holds the prompt's blocks now
-        dec.enqueue_decode(job)
+        if sent < job.req.input_tokens:  # kvpool: the decode worker computes the tail
+            job.done = sent
+            dec.enqueue_prefill(job)
+        else:
+            dec.enqueue_decode(job)
 
     def finished(self, job: Job, now: float) -> None:
         job.finish = now

@@ -11,7 +11,8 @@ class Job:
 
     __slots__ = ("best_blocks", "computed_on", "decode_on", "done", "finish", "first_s",
                  "join", "loading", "looked_up", "pending_tokens", "predicted_blocks",
-                 "predicted_ttft_s", "prefill_on", "req", "reused", "truth_blocks")  # fmt: skip
+                 "predicted_ttft_s", "prefill_on", "req", "reused", "tail_s",
+                 "truth_blocks")  # fmt: skip
 
     def __init__(self, req: SimRequest) -> None:
         self.req = req
@@ -24,6 +25,7 @@ class Job:
         self.reused = 0  # blocks not computed: the local prefix or loaded from the pool
         self.done = 0  # prompt tokens computed or reused
         self.first_s = -1.0  # the first token (end of prefill)
+        self.tail_s = -1.0  # the second token, when the decode node computed the prompt's tail
         self.join = -1  # index of its first decode step on the decode node
         self.finish = -1.0  # the last token
         self.predicted_blocks = 0  # what the route expected to reuse
@@ -34,6 +36,11 @@ class Job:
     @property
     def prompt_left(self) -> int:
         return self.req.input_tokens - self.done
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens left for the decode batch (the prefill gave one, a tail step another)."""
+        return self.req.output_tokens - 1 - (self.tail_s >= 0)
 
 
 # why a request's realized prefix differs from the route's prediction

@@ -69,10 +69,12 @@ class Node:
     # -- arrivals ---------------------------------------------------------------------------
 
     def enqueue_prefill(self, job: Job) -> None:
-        job.computed_on = self.id
+        """A prompt to compute here (or, ``job.done`` > 0, the rest of one: a tail)."""
+        if not job.computed_on:
+            job.computed_on = self.id
+            self.requests += 1
         self.queue.append(job)
-        self.queued_tokens += job.req.input_tokens
-        self.requests += 1
+        self.queued_tokens += job.prompt_left
         self.kick()
 
     def loaded(self, job: Job) -> None:
@@ -109,11 +111,11 @@ class Node:
             if self.batch and self.kv_used + need > self.kv_cap:
                 break
             self.admit.popleft()
-            left = r.output_tokens - 1  # the first token came with the prefill
+            left = job.decode_tokens
             job.join = steps
             heapq.heappush(self.heap, (steps + left - 1, id(job), job))
             self.batch += 1
-            self.ctx += r.input_tokens + 1
+            self.ctx += r.input_tokens + r.output_tokens - left  # its tokens so far
             self.kv_used += need
 
     def _chunks(self) -> list[tuple[Job, int]]:

@@ -113,6 +113,10 @@ class NodeSpec:
     local_cache_blocks: int = 1000  # the node's own prefix cache (LRU), in blocks
     threads: int = 1  # CPU threads a node uses (with host_cores: nodes share one host)
     host_cores: int | None = None  # every node on one host with this many cores (validation)
+    # the decode node computes the prompt's last partial block (at least its last token)
+    # itself, and only full blocks are transferred: kvpool's decode worker. False: the whole
+    # prompt's KV is transferred (Mooncake's decode instances)
+    decode_tail: bool = False
 
     def __post_init__(self) -> None:
         _positive(self, "flops_per_s", "mfu", "mem_bytes_per_s", "mem_efficiency",

@@ -74,9 +74,11 @@ def _record(c: SimCluster, i: int) -> SimRecord:
     rec.predicted_ttft_s = job.predicted_ttft_s
     rec.output_tokens = req.output_tokens
     times = [job.first_s - t0]
-    if req.output_tokens > 1:
+    if job.tail_s >= 0:
+        times.append(job.tail_s - t0)
+    if job.decode_tokens > 0:
         ends = c.by_id[job.decode_on].decode_ends
-        times.extend(t - t0 for t in ends[job.join : job.join + req.output_tokens - 1])
+        times.extend(t - t0 for t in ends[job.join : job.join + job.decode_tokens])
     rec.token_times = times
     rec.end_s = job.finish - t0
     rec.prefill_node, rec.decode_node = job.computed_on, job.decode_on
