@@ -65,14 +65,17 @@ class SimCluster:
         spec = self.profile.node
         cache = self.cfg.local_cache_blocks
         cache = spec.local_cache_blocks if cache is None else cache
+        # ids sort as numbers (the policies break ties by id): prefill-02 < prefill-10
+        width = len(str(max(system.colocated, system.prefill, system.decode) - 1))
         if system.colocated:
             budget = spec.colocated_chunk_tokens if system.chunked else spec.max_batched_tokens
-            return [Node(self, f"node-{i}", "both", budget=budget, chunked=system.chunked,
-                         cache_blocks=cache) for i in range(system.colocated)]  # fmt: skip
+            return [Node(self, f"node-{i:0{width}d}", "both", budget=budget,
+                         chunked=system.chunked, cache_blocks=cache)
+                    for i in range(system.colocated)]  # fmt: skip
         budget = spec.max_batched_tokens
-        return [*(Node(self, f"prefill-{i}", "prefill", budget=budget, chunked=True,
+        return [*(Node(self, f"prefill-{i:0{width}d}", "prefill", budget=budget, chunked=True,
                        cache_blocks=cache) for i in range(system.prefill)),
-                *(Node(self, f"decode-{i}", "decode", budget=budget, chunked=True,
+                *(Node(self, f"decode-{i:0{width}d}", "decode", budget=budget, chunked=True,
                        cache_blocks=cache) for i in range(system.decode))]  # fmt: skip
 
     def _worker_cost(self, requests: list[SimRequest]):
