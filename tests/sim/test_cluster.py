@@ -3,7 +3,7 @@ eviction; caches evicting between routing and use."""
 
 from __future__ import annotations
 
-from conftest import request, toy_profile
+from simkit import request, toy_profile
 
 from kvpool.conductor.cluster_state import Placement
 from kvpool.conductor.policies import Policy
@@ -32,7 +32,8 @@ class Spy(Policy):
         return Placement(min(w.id for w in snap.workers if w.role == "decode"), 0.0)
 
 
-def test_a_swapped_in_policy_drives_the_simulation(toy):
+def test_a_swapped_in_policy_drives_the_simulation():
+    toy = toy_profile()
     spy = Spy()
     system = SystemSpec("spy", spy, prefill=3, decode=2, pool=False)
     reqs = [request(i, i * 1.0, 10, 2, "a", "b") for i in range(4)]
@@ -45,7 +46,8 @@ def test_a_swapped_in_policy_drives_the_simulation(toy):
     assert r.summary["prefix_hit_rate"] == 3 * 8 / 40
 
 
-def test_cache_aware_follows_the_prefix_random_scatters_it(toy):
+def test_cache_aware_follows_the_prefix_random_scatters_it():
+    toy = toy_profile()
     reqs = [request(i, i * 1.0, 10, 2, "a", "b") for i in range(12)]
     aware = simulate(SystemSpec("c", "cache_aware", prefill=4, decode=1, pool=False),
                      cfg(toy), reqs)  # fmt: skip
@@ -56,7 +58,8 @@ def test_cache_aware_follows_the_prefix_random_scatters_it(toy):
     assert rand.summary["prefix_hit_rate"] < aware.summary["prefix_hit_rate"]
 
 
-def test_admission_rejections_are_counted_by_reason(toy):
+def test_admission_rejections_are_counted_by_reason():
+    toy = toy_profile()
     reqs = [request(0, 0.0, 10, 2, "a", "b"), request(1, 0.0, 10, 2, "c", "d")]
     tight = simulate(SystemSpec("s", "least_load", prefill=1, decode=1, pool=False),
                      cfg(toy, slo_ttft=1e-4), reqs)  # fmt: skip
@@ -75,7 +78,8 @@ def test_admission_rejections_are_counted_by_reason(toy):
     assert tbt.summary["sim_rejected_tbt_slo"] == 2
 
 
-def test_a_stale_view_mispredicts_the_prefix(toy):
+def test_a_stale_view_mispredicts_the_prefix():
+    toy = toy_profile()
     reqs = [request(0, 0.0, 10, 2, "a", "b"), request(1, 0.5, 10, 2, "a", "b")]
     system = SystemSpec("s", "cache_aware", prefill=1, decode=1, pool=False)
     fresh = simulate(system, cfg(toy), reqs).records[1]
@@ -86,7 +90,7 @@ def test_a_stale_view_mispredicts_the_prefix(toy):
     assert stale.route_outcome == "more_stale_view"
 
 
-def test_blocks_evicted_between_routing_and_use(toy):
+def test_blocks_evicted_between_routing_and_use():
     small = toy_profile(local_cache_blocks=3)
     many = [f"x{i}" for i in range(24)]  # 100 tokens: two prefill steps of 64 + 36
     reqs = [request(0, 0.0, 10, 1, "a", "b"), request(1, 0.1, 100, 1, *many),
@@ -121,7 +125,8 @@ def test_the_pool_evicts_with_the_stores_own_code():
     assert big.summary["sim_pool_loaded_blocks"] == 2  # the last request read its chain
 
 
-def test_timelines_stay_bounded_however_long_the_run(toy):
+def test_timelines_stay_bounded_however_long_the_run():
+    toy = toy_profile()
     from kvpool.sim.cluster import SimCluster
 
     # every request at time 0 (no span to pace the samples by), then a long decode tail

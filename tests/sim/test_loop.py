@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import OVERHEAD, request, step
+from simkit import OVERHEAD, request, step, toy_profile
 
 from kvpool.sim.events import ARRIVAL, FINISH, EventLoop
 from kvpool.sim.run import simulate
@@ -33,7 +33,8 @@ def test_event_loop_orders_by_time_priority_then_fifo():
         loop.at(0.2, seen.append, "late")
 
 
-def test_one_request_prefill_transfer_decode(toy):
+def test_one_request_prefill_transfer_decode():
+    toy = toy_profile()
     r = simulate(disagg(), cfg(toy), [request(0, 0.0, 10, 3, "a", "b")])
     rec = r.records[0]
     ttft = step(prefill=10, pairs=55, logits=1)  # 10 tokens, causal pairs 10*11/2
@@ -48,7 +49,8 @@ def test_one_request_prefill_transfer_decode(toy):
     assert r.summary["completed"] == 1 and r.summary["sim_transfers"] == 1
 
 
-def test_second_turn_reuses_the_local_prefix(toy):
+def test_second_turn_reuses_the_local_prefix():
+    toy = toy_profile()
     reqs = [request(0, 0.0, 10, 3, "a", "b"), request(1, 1.0, 10, 2, "a", "b")]
     r = simulate(disagg(), cfg(toy), reqs)
     rec = r.records[1]
@@ -60,7 +62,8 @@ def test_second_turn_reuses_the_local_prefix(toy):
     assert r.summary["prefix_hit_rate"] == pytest.approx(8 / 20)
 
 
-def test_batching_link_queueing_and_decode_joins(toy):
+def test_batching_link_queueing_and_decode_joins():
+    toy = toy_profile()
     # a one-token request keeps the prefill node busy while two more arrive
     reqs = [request(0, 0.0, 40, 1, "x"), request(1, 0.001, 10, 3, "a", "b"),
             request(2, 0.001, 10, 3, "c", "d")]  # fmt: skip
@@ -83,7 +86,8 @@ def test_batching_link_queueing_and_decode_joins(toy):
     )
 
 
-def test_long_prompt_is_chunked_on_the_prefill_node(toy):
+def test_long_prompt_is_chunked_on_the_prefill_node():
+    toy = toy_profile()
     # budget 64 tokens per step: 100 tokens = 64, then 36 after a 64-token context
     r = simulate(disagg(), cfg(toy), [request(0, 0.0, 100, 1, "a")])
     first = step(prefill=64, pairs=64 * 65 / 2, logits=0)
@@ -93,7 +97,8 @@ def test_long_prompt_is_chunked_on_the_prefill_node(toy):
     assert rec.end_s == rec.ttft and r.summary["sim_transfers"] == 0  # one token: no decode
 
 
-def test_colocated_without_chunking_stalls_the_decodes(toy):
+def test_colocated_without_chunking_stalls_the_decodes():
+    toy = toy_profile()
     unchunked = SystemSpec("v", "least_load", colocated=1, chunked=False, pool=False)
     chunked = SystemSpec("c", "least_load", colocated=1, chunked=True, pool=False)
     reqs = [request(0, 0.0, 10, 4, "a", "b"), request(1, 0.02, 10, 2, "c", "d")]
@@ -109,7 +114,8 @@ def test_colocated_without_chunking_stalls_the_decodes(toy):
     assert c.token_times[1] == pytest.approx(t1 + mixed, **EXACT)
 
 
-def test_short_remainder_is_computed_on_the_decode_node(toy):
+def test_short_remainder_is_computed_on_the_decode_node():
+    toy = toy_profile()
     conf = SimConfig(toy, 4, decode_prefill_tokens=64, poll_interval=0.0)
     r = simulate(disagg(), conf, [request(0, 0.0, 10, 2, "a", "b")])
     rec = r.records[0]
@@ -120,7 +126,8 @@ def test_short_remainder_is_computed_on_the_decode_node(toy):
     )
 
 
-def test_fast_forwarded_decode_runs_equal_step_by_step_events(toy):
+def test_fast_forwarded_decode_runs_equal_step_by_step_events():
+    toy = toy_profile()
     import random
 
     from kvpool.sim.cluster import SimCluster
@@ -147,9 +154,7 @@ def test_fast_forwarded_decode_runs_equal_step_by_step_events(toy):
     assert fast[2] < slow[2] * 0.7  # in fewer events
 
 
-def test_kvpool_decode_worker_computes_the_tail(toy):
-    from conftest import toy_profile
-
+def test_kvpool_decode_worker_computes_the_tail():
     tail = toy_profile(decode_tail=True)
     r = simulate(disagg(), cfg(tail), [request(0, 0.0, 10, 4, "a", "b")])
     rec = r.records[0]

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import HEAD, LIN, PAIR, TOY_MODEL, step, toy_profile
+from simkit import HEAD, LIN, PAIR, TOY_MODEL, step, toy_profile
 
 from kvpool.bench.trace import ScaleConfig, load_trace, scale
 from kvpool.sim.cost import StepCost, conductor_cost

@@ -1,8 +1,7 @@
-"""A toy profile whose step costs are easy to write down by hand."""
+"""A toy profile whose step costs are easy to write down by hand (not a conftest.py: test
+modules elsewhere import the root conftest by name)."""
 
 from __future__ import annotations
-
-import pytest
 
 from kvpool.sim.profile import ModelSpec, NetworkSpec, NodeSpec, PoolSpec, Profile
 from kvpool.sim.workload import SimRequest
@@ -44,8 +43,3 @@ def hashes(*names: str) -> tuple[bytes, ...]:
 
 def request(index, arrival, n_in, n_out, *blocks) -> SimRequest:
     return SimRequest(index, arrival, n_in, n_out, hashes(*blocks))
-
-
-@pytest.fixture
-def toy() -> Profile:
-    return toy_profile()
