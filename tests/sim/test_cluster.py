@@ -135,3 +135,19 @@ def test_timelines_stay_bounded_however_long_the_run():
                    cfg(toy, samples=10), reqs)  # fmt: skip
     c.run()
     assert len(c.timeline) < 20 and c.timeline[-1][0] > 1.0  # it covered the whole run
+
+
+def test_capacities_follow_the_block_size():
+    from kvpool.sim.cluster import SimCluster
+
+    toy = toy_profile()  # 4-token blocks: 100 local blocks, one pool node of 100 blocks
+    reqs = [request(0, 0.0, 10, 2, "a")]
+    system = SystemSpec("s", "least_load", prefill=1, decode=1, pool=True)
+    same = SimCluster(system, SimConfig(toy, 4), reqs)
+    assert same.nodes[0].cache.capacity == 100 and same.pool.stats()["pool_capacity_blocks"] == 100
+    halves = SimCluster(system, SimConfig(toy, 2), reqs)  # the same bytes in 2-token blocks
+    assert halves.nodes[0].cache.capacity == 200
+    assert halves.pool.stats()["pool_capacity_blocks"] == 200
+    told = SimCluster(system, SimConfig(toy, 2, local_cache_blocks=7, pool_blocks_per_node=9,
+                                        pool_nodes=3), reqs)  # fmt: skip
+    assert told.nodes[0].cache.capacity == 7 and told.pool.stats()["pool_capacity_blocks"] == 27

@@ -82,8 +82,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--poll-interval", type=float, default=0.2,
                    help="seconds between the conductor's polls of the workers (0: always "
                         "fresh)")  # fmt: skip
-    p.add_argument("--local-cache-blocks", type=int, default=None, help="override the profile")
-    p.add_argument("--pool-blocks-per-node", type=int, default=None, help="override the profile")
+    p.add_argument("--local-cache-blocks", type=int, default=None,
+                   help="override the profile (blocks of --block-tokens)")  # fmt: skip
+    p.add_argument("--pool-blocks-per-node", type=int, default=None,
+                   help="override the profile (blocks of --block-tokens)")  # fmt: skip
     p.add_argument("--pool-nodes", type=int, default=None, help="override the profile")
     p.add_argument(
         "--capacity",

@@ -40,7 +40,7 @@ class SimCluster:
         self.pool = None
         if system.pool:
             count = cfg.pool_nodes or p.pool.nodes or len(self.nodes)
-            per = cfg.pool_blocks_per_node or p.pool.blocks_per_node
+            per = cfg.pool_blocks_per_node or self._in_sim_blocks(p.pool.blocks_per_node)
             self.pool = PoolModel(count, per, lambda: self.loop.now)
         self.link_free = {n.id: 0.0 for n in self.nodes}  # each node's inbound link
         self.transfers = 0
@@ -64,7 +64,7 @@ class SimCluster:
     def _nodes(self, system: SystemSpec) -> list[Node]:
         spec = self.profile.node
         cache = self.cfg.local_cache_blocks
-        cache = spec.local_cache_blocks if cache is None else cache
+        cache = self._in_sim_blocks(spec.local_cache_blocks) if cache is None else cache
         # ids sort as numbers (the policies break ties by id): prefill-02 < prefill-10
         width = len(str(max(system.colocated, system.prefill, system.decode) - 1))
         if system.colocated:
@@ -77,6 +77,11 @@ class SimCluster:
                        cache_blocks=cache) for i in range(system.prefill)),
                 *(Node(self, f"decode-{i:0{width}d}", "decode", budget=budget, chunked=True,
                        cache_blocks=cache) for i in range(system.decode))]  # fmt: skip
+
+    def _in_sim_blocks(self, profile_blocks: int) -> int:
+        """A capacity the profile gives in its blocks, in the simulation's (the same bytes
+        when ``--block-tokens`` is not the profile's block size)."""
+        return profile_blocks * self.profile.block_tokens // self.block_tokens
 
     def _worker_cost(self, requests: list[SimRequest]):
         """The linear cost model every worker reports (fitted over the workload's sizes)."""
