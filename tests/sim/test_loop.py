@@ -167,3 +167,38 @@ def test_kvpool_decode_worker_computes_the_tail():
     assert rec.prefill_node == "prefill-0" and r.summary["sim_transfer_bytes"] == 64
     two = simulate(disagg(), cfg(tail), [request(0, 0.0, 10, 2, "a", "b")]).records[0]
     assert two.token_times == pytest.approx([t1, t2], **EXACT)  # no decode step at all
+
+
+def test_nodes_on_one_host_share_its_cores():
+    from kvpool.sim.host import SharedHost
+
+    loop, ends = EventLoop(), {}
+
+    def done(name: str) -> None:
+        ends[name] = loop.now
+
+    host = SharedHost(loop, cores=1, threads=1)
+    loop.at(0.0, host.run, "a", 1.0, done, "a")
+    loop.at(0.5, host.run, "b", 1.0, done, "b")
+    loop.run()
+    # a alone until 0.5, then both at half speed: a's last 0.5 s of work ends at 1.5; b has
+    # done 0.5 by then and finishes alone at 2.0 (moved end events left stale copies)
+    assert ends == pytest.approx({"a": 1.5, "b": 2.0}, **EXACT)
+    loop, ends = EventLoop(), {}
+    two = SharedHost(loop, cores=2, threads=1)  # as many cores as steps: no slowdown
+    loop.at(0.0, two.run, "a", 1.0, done, "a")
+    loop.at(0.0, two.run, "b", 1.0, done, "b")
+    loop.run()
+    assert ends == pytest.approx({"a": 1.0, "b": 1.0}, **EXACT)
+
+
+def test_a_shared_host_slows_overlapping_prefills():
+    alone = toy_profile()
+    shared = toy_profile(host_cores=1)
+    reqs = [request(0, 0.0, 10, 1, "a"), request(1, 0.0, 10, 1, "b")]
+    system = disagg(policy="round_robin", prefill=2)
+    t = step(prefill=10, pairs=55, logits=1)
+    free = [r.ttft for r in simulate(system, cfg(alone), reqs).records]
+    assert free == pytest.approx([t, t], **EXACT)  # two nodes, in parallel
+    both = [r.ttft for r in simulate(system, cfg(shared), reqs).records]
+    assert both == pytest.approx([2 * t, 2 * t], **EXACT)  # two nodes on one core

@@ -214,8 +214,9 @@ def calibrate(cfg: CalibrationConfig, say: Callable[[str], None]) -> Profile:
                             "samples below); the link: the transfer engine's shared memory",),
                    assumptions=(
                        "compute and memory times add up (a CPU does not overlap them)",
-                       f"nodes share this host's {os.cpu_count()} cores: a step slows down by "
-                       "(busy nodes x threads) / cores when they are oversubscribed",
+                       f"nodes share this host's {os.cpu_count()} cores (processor sharing: "
+                       "while n nodes step, each runs at min(1, cores / (n x threads)) of its "
+                       "speed alone); the conductor, the pool and the client are not counted",
                        "serving limits are kvpool serve's defaults (1 GiB KV per worker, "
                        "a 1 GiB pool node, 64 sequences, 2048 tokens per step)",
                        "per-request HTTP and RPC costs are not measured: only the link's "

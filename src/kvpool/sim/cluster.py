@@ -18,6 +18,7 @@ from kvpool.conductor.policies import predicted_ttft
 from kvpool.conductor.router import Router, SLOConfig
 from kvpool.sim.cost import StepCost, conductor_cost
 from kvpool.sim.events import ARRIVAL, POLL, SAMPLE, EventLoop
+from kvpool.sim.host import SharedHost
 from kvpool.sim.job import Job
 from kvpool.sim.node import Node
 from kvpool.sim.pool import PoolModel
@@ -45,10 +46,12 @@ class SimCluster:
         self.link_free = {n.id: 0.0 for n in self.nodes}  # each node's inbound link
         self.transfers = 0
         self.transfer_bytes = 0.0
-        self.active = 0  # nodes in a step (host_cores: one host shared)
-        # runs of decode-only steps as one event (not when nodes share a host: each step's
-        # slowdown depends on what the others do at that moment)
-        self.fast_forward = p.node.host_cores is None
+        # every node on one host (a calibrated small machine): its cores are shared
+        cores = p.node.host_cores
+        self.host = None if cores is None else SharedHost(self.loop, cores, p.node.threads)
+        # runs of decode-only steps as one event (not on a shared host: a step's length
+        # depends on what the other nodes do meanwhile)
+        self.fast_forward = self.host is None
         self.decode_tail = p.node.decode_tail
         self.worker_cost = self._worker_cost(requests)
         self.view = ConductorView(self.nodes, self.worker_cost, self.pool, bt, self.block_bytes,
@@ -120,14 +123,6 @@ class SimCluster:
             self._every *= 2
         if len(self.loop):  # until the cluster is idle
             self.loop.after(self._every, self._sample, prio=SAMPLE)
-
-    def contention(self, delta: int) -> float:
-        """How much slower a step runs with every node on one host (``host_cores``)."""
-        cores = self.profile.node.host_cores
-        self.active += delta
-        if cores is None or delta < 0:
-            return 1.0
-        return max(1.0, self.active * self.profile.node.threads / cores)
 
     # -- the conductor ---------------------------------------------------------------------
 

@@ -39,7 +39,7 @@ class Node:
     __slots__ = ("admit", "batch", "budget", "busy", "busy_s", "cache", "chunked", "ctx",
                  "decode_ends", "decoded_tokens", "heap", "id", "kv_cap", "kv_used",
                  "loading", "macro", "macro_start", "max_batch", "partial", "prefilled_tokens",
-                 "queue", "queued_tokens", "requests", "role", "sim", "steps",
+                 "queue", "queued_tokens", "requests", "role", "sim", "step_start", "steps",
                  "version")  # fmt: skip
 
     def __init__(self, sim: SimCluster, node_id: str, role: str, *, budget: int,
@@ -61,6 +61,7 @@ class Node:
         self.decode_ends = array("d")  # end time of each decode step
         self.busy = False
         self.busy_s = 0.0
+        self.step_start = 0.0
         self.steps = self.prefilled_tokens = self.decoded_tokens = self.requests = 0
         self.macro: list[float] | None = None  # end times of a fast-forwarded run of steps
         self.macro_start = 0.0
@@ -164,16 +165,18 @@ class Node:
             completes += take == job.prompt_left
         dt = self.sim.cost.step_s(tokens, pairs, context, completes + decodes, decodes,
                                   self.ctx if decodes else 0)  # fmt: skip
-        dt *= self.sim.contention(+1)
         self.busy = True
-        self.busy_s += dt
+        self.step_start = self.sim.loop.now
         self.steps += 1
-        self.sim.loop.after(dt, self._end, chunks, decodes)
+        if self.sim.host is not None:  # sharing a host's cores: as long as the sharing makes it
+            self.sim.host.run(self, dt, self._end, chunks, decodes)
+        else:
+            self.sim.loop.after(dt, self._end, chunks, decodes)
 
     def _end(self, chunks: list[tuple[Job, int]], decodes: int) -> None:
         now = self.sim.loop.now
-        self.sim.contention(-1)
         self.busy = False
+        self.busy_s += now - self.step_start
         for job, take in chunks:
             job.done += take
             self.queued_tokens -= take
