@@ -36,6 +36,7 @@ def test_a_slice_writes_the_report(tmp_path, capsys):
                 "sim_predicted_hit_rate", "sim_route_as_predicted", "sim_pool_puts"):  # fmt: skip
         assert key in s, key
     assert s["completed"] == 40 and s["slo_ttft_s"] == 30
+    assert "Profile assumptions" in (out / "simulation.html").read_text()
     assert "sim_pool_puts" not in doc["systems"]["random:nopool"]["summary"]
     sim = json.loads((out / "sim.json").read_text())
     assert sim["capacity"]["factors"] == [0.5, 4.0]

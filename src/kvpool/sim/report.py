@@ -165,6 +165,10 @@ def _html(out: Path, results: dict[str, SystemResult], meta: dict, capacity: dic
     meta_rows = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(str(v))}</td></tr>"
                         for k, v in meta.items() if not isinstance(v, dict | list))  # fmt: skip
     imgs = "".join(f'<p><img src="{p}" alt="{p}"></p>' for p in pngs)
+    basis = "".join(f"<h3>{title}</h3><ul>" + "".join(f"<li>{html.escape(str(x))}</li>"
+                                                      for x in meta.get(key) or []) + "</ul>"
+                    for key, title in (("profile_sources", "Profile sources"),
+                                       ("profile_assumptions", "Profile assumptions")))  # fmt: skip
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>kvpool sim</title>
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}td:first-child{{text-align:left}}
@@ -172,7 +176,7 @@ td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}td:first-child{{t
 <p>Figures of a simulation, not a measurement (docs/simulator.md says what is modeled). The
 bench-format report of the same runs: <a href="report.html">report.html</a>.</p>
 <h2>Summary</h2><table><tr><th>figure</th>{head}</tr>{"".join(rows)}</table>{cap}
-{imgs}<h2>Run</h2><table>{meta_rows}</table>
+{imgs}<h2>Run</h2><table>{meta_rows}</table>{basis}
 <p>Per-request data (predicted and realized hits, route outcome): <a href="requests.csv">
 requests.csv</a>; nodes and timelines: <a href="sim.json">sim.json</a>.</p></body></html>"""
     path = out / "simulation.html"
