@@ -162,8 +162,8 @@ def measure_link(block_bytes: int, quick: bool) -> tuple[float, float, dict]:
 
 def model_spec(llm) -> tuple[ModelSpec, float]:
     """The engine's model as a ``ModelSpec`` and the weight bytes a decode step reads."""
-    from kvpool.bench.roofline import step_cost
     from kvpool.model.kv_layout import kv_bytes_per_block
+    from kvpool.model.step_cost import step_cost
 
     eng = llm.engine
     c = eng.model_config
