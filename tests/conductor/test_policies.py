@@ -192,3 +192,25 @@ def test_short_remainders_skip_the_prefill_hand_off():
     assert always.prefill is not None
     with pytest.raises(ValueError):
         Router(get_policy("cache_aware"), slo, decode_prefill_tokens=-1)
+
+
+def test_ties_are_broken_by_id_with_numbers_by_value():
+    from kvpool.conductor.policies.base import by_id
+
+    ws = [worker(f"prefill-{i}") for i in (10, 2, 1)]
+    assert [w.id for w in by_id(ws)] == ["prefill-1", "prefill-2", "prefill-10"]
+    assert get_policy("cache_aware").choose_prefill(snap(*ws), req()).worker_id == "prefill-1"
+    dec = [worker(f"decode-{i}", role="decode") for i in (10, 9)]
+    got = get_policy("least_load").choose_decode(snap(*dec), req(), 0.0)
+    assert got.worker_id == "decode-9"
+
+
+def test_ttft_of_a_colocated_worker_counts_its_running_decodes():
+    idle, busy = worker("a", role="both"), worker("b", role="both", running=8)
+    r = req(blocks=0, tokens=100)
+    assert predicted_ttft(snap(idle), idle, r).predicted_s == pytest.approx(0.01 + 0.1)
+    # its first prefill chunk shares a step with 8 decodes: 0.02 + 8 x 0.005 more
+    assert predicted_ttft(snap(busy), busy, r).predicted_s == pytest.approx(0.11 + 0.06)
+    prefill_only = worker("c", running=8)  # a prefill worker's decodes are not in its steps
+    assert predicted_ttft(snap(prefill_only), prefill_only, r).predicted_s == pytest.approx(0.11)
+    assert get_policy("cache_aware").choose_prefill(snap(busy, idle), r).worker_id == "a"

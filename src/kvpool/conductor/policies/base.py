@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 
 from kvpool.conductor.cluster_state import (
@@ -12,9 +13,17 @@ from kvpool.conductor.cluster_state import (
 )
 
 
+def by_id(workers: list[WorkerView]) -> list[WorkerView]:
+    """Workers in id order, numbers by value ("prefill-2" before "prefill-10"): the order ties
+    are broken in."""
+    return sorted(workers, key=lambda w: [int(p) if p.isdigit() else p
+                                          for p in re.split(r"(\d+)", w.id)])  # fmt: skip
+
+
 def predicted_ttft(snap: ClusterSnapshot, w: WorkerView, req: RequestInfo) -> Placement:
     """Queue time + prefill of the tokens it would compute + loading what the pool has beyond
-    its own cache (the paper's TTFT estimate)."""
+    its own cache (the paper's TTFT estimate). A worker that also decodes runs the prefill in
+    steps shared with its running decodes: their step time is added once (the first chunk's)."""
     hashes = list(req.block_hashes)
     local = w.local_prefix_blocks(hashes)
     pool = req.pool_prefix_blocks if snap.pool_up else 0
@@ -23,6 +32,8 @@ def predicted_ttft(snap: ClusterSnapshot, w: WorkerView, req: RequestInfo) -> Pl
     transfer_s = loaded * snap.block_bytes / snap.pool_bytes_per_s if snap.pool_bytes_per_s else 0
     uncached = max(1, req.num_prompt_tokens - prefix * req.block_size)
     ttft = w.queue_s() + w.cost.prefill_s(uncached) + transfer_s
+    if w.decodes and w.load.running:
+        ttft += w.cost.decode_step_s(w.load.running)
     return Placement(w.id, ttft, local, loaded)
 
 

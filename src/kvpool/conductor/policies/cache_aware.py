@@ -13,7 +13,7 @@ replicated where the load is, not where it was first computed.
 from __future__ import annotations
 
 from kvpool.conductor.cluster_state import ClusterSnapshot, Placement, RequestInfo
-from kvpool.conductor.policies.base import Policy, predicted_ttft
+from kvpool.conductor.policies.base import Policy, by_id, predicted_ttft
 
 
 class CacheAwarePolicy(Policy):
@@ -25,7 +25,7 @@ class CacheAwarePolicy(Policy):
         self.balancing_threshold = balancing_threshold
 
     def choose_prefill(self, snap: ClusterSnapshot, req: RequestInfo) -> Placement | None:
-        ws = sorted(snap.alive(lambda w: w.prefills), key=lambda w: w.id)
+        ws = by_id(snap.alive(lambda w: w.prefills))
         if not ws:
             return None
         estimates = [predicted_ttft(snap, w, req) for w in ws]

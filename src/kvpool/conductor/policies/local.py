@@ -14,14 +14,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvpool.conductor.cluster_state import ClusterSnapshot, Placement, RequestInfo
-from kvpool.conductor.policies.base import Policy, predicted_ttft
+from kvpool.conductor.policies.base import Policy, by_id, predicted_ttft
 
 
 class LocalCacheAwarePolicy(Policy):
     name = "local"
 
     def choose_prefill(self, snap: ClusterSnapshot, req: RequestInfo) -> Placement | None:
-        ws = sorted(snap.alive(lambda w: w.prefills), key=lambda w: w.id)
+        ws = by_id(snap.alive(lambda w: w.prefills))
         if not ws:
             return None
         local_only = replace(req, pool_prefix_blocks=0)

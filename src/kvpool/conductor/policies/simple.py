@@ -5,15 +5,15 @@ from __future__ import annotations
 import random
 
 from kvpool.conductor.cluster_state import ClusterSnapshot, Placement, RequestInfo, WorkerView
-from kvpool.conductor.policies.base import Policy, predicted_tbt, predicted_ttft
+from kvpool.conductor.policies.base import Policy, by_id, predicted_tbt, predicted_ttft
 
 
 def _prefillers(snap: ClusterSnapshot) -> list[WorkerView]:
-    return sorted(snap.alive(lambda w: w.prefills), key=lambda w: w.id)
+    return by_id(snap.alive(lambda w: w.prefills))
 
 
 def _decoders(snap: ClusterSnapshot) -> list[WorkerView]:
-    return sorted(snap.alive(lambda w: w.role == "decode"), key=lambda w: w.id)
+    return by_id(snap.alive(lambda w: w.role == "decode"))
 
 
 class RandomPolicy(Policy):
@@ -73,5 +73,5 @@ class LeastLoadPolicy(Policy):
         ws = _decoders(snap)
         if not ws:
             return None
-        w = min(ws, key=lambda w: (w.load.running + w.load.inflight, w.id))
+        w = min(ws, key=lambda w: w.load.running + w.load.inflight)  # ties: the first by id
         return Placement(w.id, predicted_tbt(w, ttft_s))
