@@ -21,14 +21,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Results, log
 
+from kvpool.engine.quality import greedy_runs, tokens_before_parting
 from kvpool.model.llama import LlamaModel
 from kvpool.model.loader import load_model
-from kvpool.model.quality import (
-    block_path,
-    greedy_runs,
-    next_token_logprobs,
-    tokens_before_parting,
-)
+from kvpool.model.quality import block_path, next_token_logprobs
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "alice_ch1.txt"
 FORMATS = [("q4", "auto"), ("int8", "auto"), ("float32", "int8")]  # (weights, KV)

@@ -11,15 +11,10 @@ import pytest
 import torch
 
 from kvpool import LLM
+from kvpool.engine.quality import greedy_runs, tokens_before_parting
 from kvpool.model.kernels import kernels
 from kvpool.model.llama import LlamaModel
-from kvpool.model.quality import (
-    agreement,
-    block_path,
-    greedy_runs,
-    next_token_logprobs,
-    tokens_before_parting,
-)
+from kvpool.model.quality import agreement, block_path, next_token_logprobs
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(kernels() is None, reason="no C++ compiler for the kernels")]  # fmt: skip

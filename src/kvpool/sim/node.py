@@ -23,14 +23,30 @@ import heapq
 from array import array
 from bisect import bisect_left, bisect_right
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvpool.sim.cache import LocalCache
-from kvpool.sim.cost import causal_pairs
+from kvpool.sim.cost import StepCost, causal_pairs
+from kvpool.sim.events import EventLoop
+from kvpool.sim.host import SharedHost
 from kvpool.sim.job import Job
+from kvpool.sim.profile import Profile
 
-if TYPE_CHECKING:
-    from kvpool.sim.cluster import SimCluster
+
+class Cluster(Protocol):
+    """What a node reads and calls on the cluster it belongs to (``cluster.SimCluster``)."""
+
+    profile: Profile
+    loop: EventLoop
+    cost: StepCost
+    host: SharedHost | None
+    fast_forward: bool
+
+    def lookup(self, node: Node, job: Job) -> bool: ...
+
+    def prefill_done(self, node: Node, job: Job, now: float) -> None: ...
+
+    def finished(self, job: Job, now: float) -> None: ...
 
 MAX_REMAINING = 256  # as a worker's status reports at most (protocol.worker)
 
@@ -42,7 +58,7 @@ class Node:
                  "queue", "queued_tokens", "requests", "role", "sim", "step_start", "steps",
                  "version")  # fmt: skip
 
-    def __init__(self, sim: SimCluster, node_id: str, role: str, *, budget: int,
+    def __init__(self, sim: Cluster, node_id: str, role: str, *, budget: int,
                  chunked: bool, cache_blocks: int) -> None:  # fmt: skip
         spec = sim.profile.node
         self.sim, self.id, self.role = sim, node_id, role
