@@ -48,6 +48,7 @@ class Cluster(Protocol):
 
     def finished(self, job: Job, now: float) -> None: ...
 
+
 MAX_REMAINING = 256  # as a worker's status reports at most (protocol.worker)
 
 
