@@ -39,6 +39,7 @@ def _scrape(client) -> dict[str, float]:
 
 def test_metrics_after_requests(client):
     before = _scrape(client)
+    assert "kvpool_decode_step_weight_bytes" not in before  # no decode step yet
     assert before["kvpool_prompt_tokens_total"] == 0
     assert before["kvpool_kv_cache_usage_ratio"] == 0
     text = client.get("/metrics").text
@@ -70,6 +71,11 @@ def test_metrics_after_requests(client):
     assert 0 < m["kvpool_time_to_first_token_seconds_sum"] < 30
     assert m["kvpool_inter_token_latency_seconds_count"] == 2 + 4
     assert m["kvpool_e2e_request_latency_seconds_count"] == 2
+    # the decode roofline: the last decode-only step read the weights and one sequence's KV
+    assert m["kvpool_decode_batch_size"] == 1
+    assert m["kvpool_decode_step_weight_bytes"] > 0 and m["kvpool_decode_step_kv_bytes"] > 0
+    assert m["kvpool_decode_bandwidth_bytes_per_second"] > 0
+    assert m["kvpool_decode_tokens_per_second"] > 0
     assert (
         m["kvpool_e2e_request_latency_seconds_sum"] >= m["kvpool_time_to_first_token_seconds_sum"]
     )

@@ -14,6 +14,7 @@ from kvpool.common.hashing import kv_namespace, namespace_seed
 from kvpool.config import EngineConfig
 from kvpool.engine.block_pool import BlockPool
 from kvpool.engine.connectors.base import BlockRef, KVConnector, NoopConnector
+from kvpool.engine.decode_meter import DecodeFigures, DecodeMeter
 from kvpool.engine.kv_cache_manager import KVCacheManager
 from kvpool.engine.limits import check_context_length, check_prompt_chars, check_token_ids
 from kvpool.engine.model_runner import ModelRunner, ScheduledChunk
@@ -26,6 +27,7 @@ from kvpool.model.kernels import paged_kernels
 from kvpool.model.kv_layout import allocate_kv_cache, kv_bytes_per_block
 from kvpool.model.llama import LlamaModel
 from kvpool.model.loader import LoadedModel, load_model
+from kvpool.model.machine import known_limits
 from kvpool.protocol.worker import MAX_REMAINING, EngineStatus
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,7 @@ class EngineStats:
     kv_fetch_skipped: int = 0  # prefixes too short to be worth even a lookup
     kv_fetch_predicted_seconds: float = 0.0  # its predicted waits for those loads...
     kv_fetch_realized_seconds: float = 0.0  # ...and what they were
+    decode: DecodeFigures | None = None  # the roofline of recent decode-only steps
 
 
 class LLMEngine:
@@ -83,6 +86,7 @@ class LLMEngine:
         )
         # (prefill tokens, decoding sequences, seconds) of recent steps: cost-model samples
         self.step_times: deque[tuple[int, int, float]] = deque(maxlen=512)
+        self.decode_meter = DecodeMeter(self.model, known_limits())
         self.namespace = kv_namespace(
             self.model.fingerprint(self.loaded.fingerprint),
             dtype=self.model.kv_format,
@@ -236,7 +240,10 @@ class LLMEngine:
             raise
         decodes = sum(1 for c in sched.chunks if c.start >= c.request.num_prompt_tokens)
         prefill = sched.num_tokens - decodes
-        self.step_times.append((prefill, decodes, time.perf_counter() - t0))
+        took = time.perf_counter() - t0
+        self.step_times.append((prefill, decodes, took))
+        if prefill == 0:  # a step of decodes only: what it read, over how long it took
+            self.decode_meter.observe(decodes, sum(c.start + 1 for c in sched.chunks), took)
         self._save(sched.new_blocks)
         now = time.monotonic()
         groups: dict[str, Request] = {}  # requests with new tokens, in order
@@ -325,6 +332,7 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             steps=s.steps,
+            decode=self.decode_meter.figures,
             **fetch,
         )
 

@@ -118,6 +118,26 @@ _GAUGES = (
     ("kvpool_num_kv_blocks", "KV blocks in the engine's cache.", "num_kv_blocks"),
 )
 
+# (name, help, DecodeFigures field): the roofline of the recent decode-only steps
+_DECODE = (
+    ("kvpool_decode_step_weight_bytes", "Weight bytes the last decode-only step read.",
+     "weight_bytes"),
+    ("kvpool_decode_step_kv_bytes", "KV bytes the last decode-only step read.", "kv_bytes"),
+    ("kvpool_decode_batch_size", "Sequences in the last decode-only step.", "batch"),
+    ("kvpool_decode_bandwidth_bytes_per_second",
+     "Bytes read per second by recent decode-only steps (moving average).", "bytes_per_s"),
+    ("kvpool_decode_tokens_per_second", "Tokens per second of recent decode-only steps.",
+     "tokens_per_s"),
+    ("kvpool_machine_read_bandwidth_bytes_per_second",
+     "This machine's measured read bandwidth (kvpool roofline; absent until measured).",
+     "limit_bytes_per_s"),
+    ("kvpool_decode_bandwidth_share",
+     "Decode bandwidth over the machine's read bandwidth (0..1).", "share"),
+    ("kvpool_decode_ceiling_tokens_per_second",
+     "Tokens/s the last decode step's batch would reach at the machine's read bandwidth.",
+     "ceiling_tokens_per_s"),
+)  # fmt: skip
+
 
 class EngineStatsCollector(Collector):
     """Exports an ``EngineStats`` snapshot taken at scrape time."""
@@ -147,6 +167,11 @@ class EngineStatsCollector(Collector):
             yield CounterMetricFamily(name, doc, value=getattr(s, field))
         for name, doc, field in _GAUGES:
             yield GaugeMetricFamily(name, doc, value=getattr(s, field))
+        if s.decode is not None:
+            for name, doc, field in _DECODE:
+                v = getattr(s.decode, field)
+                if v is not None:
+                    yield GaugeMetricFamily(name, doc, value=v)
 
 
 class ServerMetrics:

@@ -2,7 +2,7 @@
 
 ``put``/``get``: deterministic values through a ``StoreClient`` over TCP (hits, clean misses,
 wrong bytes); ``writer``: puts until stdin closes, one ``ack`` line per acknowledged put;
-``clear``: remove every object; ``load``: completions with unique long prompts through the conductor, one record per
+``clear``: remove every object; ``calibrate``: this machine's prefill time; ``load``: completions with unique long prompts through the conductor, one record per
 request; ``burst``: many requests at once (overload); ``cluster``: the conductor's /cluster.
 """
 
@@ -184,6 +184,31 @@ def cmd_burst(a) -> dict:
         return {"records": [f.result() for f in futures]}
 
 
+def cmd_calibrate(a) -> dict:
+    """Seconds this machine takes to prefill one drill prompt on one thread (as the workers
+    run): the drills' TTFT SLO is a multiple of it, so "normal load" means the same here as on
+    a faster CPU."""
+    import torch
+
+    from kvpool import SamplingParams
+    from kvpool.config import EngineConfig
+    from kvpool.engine.llm_engine import LLMEngine
+    from kvpool.model.loader import load_model
+
+    model = load_model(None, torch.float32)
+    eng = LLMEngine(EngineConfig(kv_cache_memory_bytes="192MiB", num_threads=1), model)
+    best = float("inf")
+    for i in range(3):  # the first is a warm-up
+        ids = model.tokenizer.encode(prompt("calibrate", i))
+        t0 = time.perf_counter()
+        eng.add_request(f"c{i}", ids, SamplingParams(temperature=0, max_tokens=1))
+        while eng.has_work():
+            eng.step()
+        best = best if i == 0 else min(best, time.perf_counter() - t0)
+    eng.close()
+    return {"prefill_s": best, "prompt_tokens": len(ids)}
+
+
 def cmd_cluster(a) -> dict:
     r = httpx.get(f"{a.base}/cluster", headers={"Authorization": f"Bearer {a.api_key}"},
                   timeout=10)  # fmt: skip
@@ -212,6 +237,7 @@ def main() -> None:
         p.add_argument("--duration", type=float, default=30)
         p.add_argument("--max-tokens", type=int, default=8)
         p.add_argument("--retries", type=int, default=10, help="429 retries per request")
+    sub.add_parser("calibrate")
     a = ap.parse_args()
     out = globals()[f"cmd_{a.cmd}"](a)
     print(json.dumps(out), flush=True)

@@ -55,11 +55,28 @@ def ttft(eng: LLMEngine, prompt: list[int], rng: random.Random) -> float:
     return took
 
 
+LENGTHS = {"short": 33, "long": 1025}  # 2 and 64 full blocks, then one token to compute
+
+
+def calibrate() -> None:
+    """This machine's recompute time of the long prefix (no pool) and the bytes a load of it
+    moves: the link rates that make loading pay, or not, follow from them."""
+    rng = random.Random(5)
+    model = load_model(None, torch.float32)
+    eng = engine(model, None, False)
+    prompt = [rng.randrange(1000, 20000) for _ in range(LENGTHS["long"])]
+    ttft(eng, [rng.randrange(1000, 20000) for _ in range(257)], rng)  # warm-up
+    took = min(ttft(eng, prompt, rng) for _ in range(2))
+    kv = eng.runner.kv_cache  # [blocks, ...]: one block's bytes, as the pool stores them
+    block_bytes = kv[0].numel() * kv.element_size()
+    blocks = LENGTHS["long"] // eng.block_size
+    print(json.dumps({"recompute_s": took, "bytes": blocks * block_bytes}), flush=True)
+
+
 def main() -> None:
     rng = random.Random(5)
     model = load_model(None, torch.float32)
-    lengths = {"short": 33, "long": 1025}  # 2 and 64 full blocks, then one token to compute
-    prompts = {k: [rng.randrange(1000, 20000) for _ in range(n)] for k, n in lengths.items()}
+    prompts = {k: [rng.randrange(1000, 20000) for _ in range(n)] for k, n in LENGTHS.items()}
     warm = engine(model, ARGS.master, policy=False)
     for p in [*prompts.values(), *[[rng.randrange(1000, 20000) for _ in range(n)]
                                    for n in (129, 513, 1025)]]:  # fmt: skip
@@ -101,8 +118,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("--master", required=True)
-    ap.add_argument("--host", required=True)
+    ap.add_argument("--master")
+    ap.add_argument("--host")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--calibrate", action="store_true")
     ARGS = ap.parse_args()
-    main()
+    calibrate() if ARGS.calibrate else main()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -40,7 +41,7 @@ def figure(drill: str, **values) -> None:
 class Cluster:
     """The processes of the drills, and how to reach them."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, slo_ttft: float) -> None:
         self.rig = rigmod.Rig(HOSTS, tmp)
         token = tmp / "token"
         token.write_text("drill-cluster-token\n")
@@ -61,7 +62,7 @@ class Cluster:
         self.workers = {role: self._worker(role) for role in ("prefill", "decode")}
         self.conductor = self.rig.start("ctl", [str(Path(sys.executable).with_name("kvpool")),
             "conductor", "--host", self.ctl_ip, "--port", "8000", "--etcd", self.etcd_ctl,
-            "--store", self.master_url, "--slo-ttft", "4", "--log-level", "warning"],
+            "--store", self.master_url, "--slo-ttft", f"{slo_ttft:.1f}", "--log-level", "warning"],
             "conductor", {**self.env, "KVPOOL_API_KEY": API_KEY})  # fmt: skip
         self.rig.wait_http("ctl", f"{self.base}/health", self.auth, proc=self.conductor)
         deadline = time.monotonic() + 60
@@ -121,7 +122,15 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("drills"))
+    # the TTFT SLO: 4 s on a fast CPU, six prompts' prefill time on a slower one (four at once
+    # are normal load; forty are ten times that)
+    out = subprocess.run([sys.executable, str(DRIVER), "calibrate"], capture_output=True,
+                         text=True, timeout=600, check=True)  # fmt: skip
+    cal = json.loads(out.stdout.strip().splitlines()[-1])
+    slo = max(4.0, 6 * cal["prefill_s"])
+    figure("calibration", prefill_s=round(cal["prefill_s"], 3),
+           prompt_tokens=cal["prompt_tokens"], slo_ttft_s=round(slo, 1))  # fmt: skip
+    c = Cluster(tmp_path_factory.mktemp("drills"), slo)
     yield c
     c.close()
     path = os.environ.get("KVPOOL_DRILLS_JSON")
