@@ -3,23 +3,13 @@ the runner produced, the same however the prompt is cut into chunks, never from 
 
 import pytest
 import torch
+from support.engine import run_requests as run
 
 from kvpool.engine import model_runner
 from kvpool.engine.logprobs import PROMPT_LOGITS_ROWS, Logprob, logprob_dicts
 from kvpool.engine.sampling import SamplingParams
 
 PROMPT = torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(5)).tolist()
-
-
-def run(eng, items):
-    for rid, prompt, params in items:
-        eng.add_request(rid, prompt, params)
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
 
 
 @pytest.fixture

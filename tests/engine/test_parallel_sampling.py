@@ -4,6 +4,7 @@ block is freed exactly once, and sequence i of seed s does not depend on anythin
 
 import pytest
 import torch
+from support.engine import run_requests as run
 
 from kvpool import LLM
 from kvpool.common.errors import BadRequestError
@@ -12,17 +13,6 @@ from kvpool.engine.sampling import SamplingParams
 
 BS = 4  # the factory's block size
 PROMPT = torch.randint(0, 256, (10,), generator=torch.Generator().manual_seed(2)).tolist()
-
-
-def run(eng, items):
-    for rid, prompt, params in items:
-        eng.add_request(rid, prompt, params)
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
 
 
 def sampled(n=3, seed=11, max_tokens=8, **kw):

@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -145,14 +146,16 @@ def scaled_input_length(r: TraceRequest, cfg: ScaleConfig) -> int:
     return min(n, cfg.max_input) if cfg.max_input else n
 
 
-def scale(requests: list[TraceRequest], cfg: ScaleConfig) -> list[ScaledRequest]:
-    """Scaled requests with arrival times in seconds from the first one."""
-    reqs = requests[: cfg.limit] if cfg.limit else list(requests)
+def scaled_arrivals(
+    requests: list[TraceRequest], cfg: ScaleConfig
+) -> Iterator[tuple[int, TraceRequest, float, int, int]]:
+    """Per request kept by ``cfg``: its index, the trace line, its arrival (s from the first
+    one), its scaled prompt length and its scaled output length (tokens)."""
+    reqs = requests[: cfg.limit] if cfg.limit else requests
     if not reqs:
-        return []
+        return
     t0 = reqs[0].timestamp_ms
     rng = random.Random(cfg.seed)
-    out: list[ScaledRequest] = []
     clock = 0.0
     for i, r in enumerate(reqs):
         if cfg.rate is not None:
@@ -162,14 +165,19 @@ def scale(requests: list[TraceRequest], cfg: ScaleConfig) -> list[ScaledRequest]
         else:
             arrival = (r.timestamp_ms - t0) / 1000.0 * cfg.time_scale
         if cfg.window is not None and arrival > cfg.window:
-            break
-        n_in = scaled_input_length(r, cfg)
-        n_blocks = math.ceil(n_in / cfg.block_tokens)
-        ids = r.hash_ids[:n_blocks]
-        tokens = np.concatenate([block_tokens_for(h, cfg.block_tokens, cfg) for h in ids])
+            return
         n_out = max(1, round(r.output_length * cfg.block_tokens / TRACE_BLOCK))
         if cfg.max_output:
             n_out = min(n_out, cfg.max_output)
+        yield i, r, arrival, scaled_input_length(r, cfg), n_out
+
+
+def scale(requests: list[TraceRequest], cfg: ScaleConfig) -> list[ScaledRequest]:
+    """Scaled requests with arrival times in seconds from the first one."""
+    out: list[ScaledRequest] = []
+    for i, r, arrival, n_in, n_out in scaled_arrivals(requests, cfg):
+        ids = r.hash_ids[: math.ceil(n_in / cfg.block_tokens)]
+        tokens = np.concatenate([block_tokens_for(h, cfg.block_tokens, cfg) for h in ids])
         out.append(ScaledRequest(i, arrival, tuple(int(t) for t in tokens[:n_in]), n_out, ids,
                                  r.line))  # fmt: skip
     return out

@@ -11,9 +11,14 @@ from kvpool.bench.launch import MEASURE_FLAGS, PRESETS
 from kvpool.bench.vllm_launch import VLLM_PRESETS
 
 
-def scaling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
-    p.add_argument("--block-tokens", type=int, default=16, help="tokens per trace block (512)")
+def trace_args(p: argparse.ArgumentParser, *, trace_required: bool = True,
+               block_tokens: int | None = 16, block_help: str = "tokens per trace block (512)",
+               seed_help: str | None = None) -> None:  # fmt: skip
+    """The trace and how to scale it (``bench.trace.ScaleConfig``): shared by ``kvpool bench``
+    and ``kvpool sim``."""
+    p.add_argument("--trace", required=trace_required, help="Mooncake-format JSONL trace (e.g. "
+                   "data/traces/conversation_trace.jsonl)")  # fmt: skip
+    p.add_argument("--block-tokens", type=int, default=block_tokens, help=block_help)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--time-scale", type=float, default=1.0, help="multiply inter-arrival times")
     g.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s")
@@ -22,8 +27,12 @@ def scaling_args(p: argparse.ArgumentParser) -> None:
     w = p.add_mutually_exclusive_group()
     w.add_argument("--limit", type=int, default=None, help="the first N requests")
     w.add_argument("--window", type=float, default=None, help="the first SECONDS (scaled)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help=seed_help)
     p.add_argument("--strict", action="store_true", help="fail on a malformed trace line")
+
+
+def scaling_args(p: argparse.ArgumentParser) -> None:
+    trace_args(p)
     p.add_argument("--slo-ttft", type=float, default=5.0, help="TTFT SLO for goodput (s)")
     p.add_argument("--slo-tbt", type=float, default=0.5, help="TBT SLO for goodput (s)")
     p.add_argument("--prompt-format", choices=["auto", "tokens", "text"], default="auto",

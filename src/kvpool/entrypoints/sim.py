@@ -19,27 +19,14 @@ def _factors(text: str) -> list[float]:
     return out
 
 
-def _scaling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", help="Mooncake-format JSONL trace (e.g. "
-                                   "data/traces/conversation_trace.jsonl)")  # fmt: skip
-    p.add_argument("--block-tokens", type=int, default=None,
-                   help="tokens per trace block (default: the profile's block size)")  # fmt: skip
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--time-scale", type=float, default=1.0, help="multiply inter-arrival times")
-    g.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s")
-    p.add_argument("--max-input", type=int, default=None, help="prompt cap, tokens (scaled)")
-    p.add_argument("--max-output", type=int, default=None, help="output cap, tokens (scaled)")
-    w = p.add_mutually_exclusive_group()
-    w.add_argument("--limit", type=int, default=None, help="the first N requests")
-    w.add_argument("--window", type=float, default=None, help="the first SECONDS (scaled)")
-    p.add_argument("--seed", type=int, default=0, help="scaling and the random policy")
-    p.add_argument("--strict", action="store_true", help="fail on a malformed trace line")
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("sim", help="simulate a disaggregated cluster on a trace "
                                           "(the conductor's own policies, calibrated costs)")  # fmt: skip
-    _scaling_args(p)
+    from kvpool.entrypoints.bench import trace_args
+
+    trace_args(p, trace_required=False, block_tokens=None,
+               block_help="tokens per trace block (default: the profile's block size)",
+               seed_help="scaling and the random policy")  # fmt: skip
     p.add_argument("--profile", default="a800-llama",
                    help="a built-in profile (a800-llama, local-smollm2) or a profile JSON "
                         "(kvpool sim calibrate writes one)")  # fmt: skip

@@ -9,11 +9,9 @@ blocks before a prompt's last token are hashed, as the conductor does (``api.req
 
 from __future__ import annotations
 
-import math
-import random
 from dataclasses import dataclass
 
-from kvpool.bench.trace import TRACE_BLOCK, ScaleConfig, TraceRequest, scaled_input_length
+from kvpool.bench.trace import ScaleConfig, TraceRequest, scaled_arrivals
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,29 +43,10 @@ def usable_blocks(input_tokens: int, block_tokens: int) -> int:
 
 def scale_requests(requests: list[TraceRequest], cfg: ScaleConfig) -> list[SimRequest]:
     """``bench.trace.scale`` without token ids: arrival (s), lengths and block hashes."""
-    reqs = requests[: cfg.limit] if cfg.limit else list(requests)
-    if not reqs:
-        return []
     names = BlockNames()
-    t0 = reqs[0].timestamp_ms
-    rng = random.Random(cfg.seed)
     out: list[SimRequest] = []
-    clock = 0.0
-    for i, r in enumerate(reqs):
-        if cfg.rate is not None:
-            if i:
-                clock += rng.expovariate(cfg.rate)
-            arrival = clock
-        else:
-            arrival = (r.timestamp_ms - t0) / 1000.0 * cfg.time_scale
-        if cfg.window is not None and arrival > cfg.window:
-            break
-        n_in = scaled_input_length(r, cfg)
-        n_out = max(1, round(r.output_length * cfg.block_tokens / TRACE_BLOCK))
-        if cfg.max_output:
-            n_out = min(n_out, cfg.max_output)
-        ids = r.hash_ids[: math.ceil(n_in / cfg.block_tokens)]
-        full = ids[: usable_blocks(n_in, cfg.block_tokens)]
+    for i, r, arrival, n_in, n_out in scaled_arrivals(requests, cfg):
+        full = r.hash_ids[: usable_blocks(n_in, cfg.block_tokens)]
         out.append(SimRequest(i, arrival, n_in, n_out, tuple(names(h) for h in full)))
     return out
 
