@@ -15,7 +15,7 @@ import math
 from kvpool.common.errors import BadRequestError
 from kvpool.common.net import host_matches
 from kvpool.common.rpc import current_call, rpc_method
-from kvpool.transfer.metadata import DescriptorTable
+from kvpool.transfer.descriptor_table import DescriptorTable
 from kvpool.transfer.segment import SegmentDescriptor
 
 MAX_TTL = 3600.0

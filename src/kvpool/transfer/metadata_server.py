@@ -31,7 +31,8 @@ from kvpool.common.errors import (
     NotFoundError,
 )
 from kvpool.common.net import host_matches, is_loopback
-from kvpool.transfer.metadata import OWNER_KEY_HEADER, DescriptorTable
+from kvpool.transfer.descriptor_table import DescriptorTable
+from kvpool.transfer.metadata import OWNER_KEY_HEADER
 from kvpool.transfer.segment import SegmentDescriptor
 
 logger = logging.getLogger(__name__)
