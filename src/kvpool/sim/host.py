@@ -4,7 +4,9 @@ machine running every worker), as processor sharing.
 Each node's step has a length measured alone (its work). While ``n`` nodes are stepping with
 ``threads`` threads each on ``cores`` cores, each advances at ``min(1, cores / (n *
 threads))`` of its alone speed; whenever a step starts or ends, the others' remaining work is
-brought up to date and their end events are moved (a moved event's old copy is stale).
+brought up to date and their end events are moved (a moved event's old copy is stale: the
+version it carries is one the host hands out once, so a later step of the same node never
+matches an earlier step's stale event).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class SharedHost:
         self.loop, self.cores, self.threads = loop, cores, threads
         self.steps: dict[object, _Step] = {}  # by node
         self.since = 0.0  # when the remaining work was last brought up to date
+        self.versions = 0  # end events carry a version unique on this host
 
     def rate(self) -> float:
         n = len(self.steps)
@@ -49,7 +52,8 @@ class SharedHost:
     def _reschedule(self) -> None:
         rate = self.rate()
         for node, s in self.steps.items():
-            s.version += 1
+            self.versions += 1
+            s.version = self.versions
             self.loop.after(s.left / rate, self._end, node, s.version)
 
     def _end(self, node: object, version: int) -> None:
