@@ -192,6 +192,29 @@ def test_nodes_on_one_host_share_its_cores():
     assert ends == pytest.approx({"a": 1.0, "b": 1.0}, **EXACT)
 
 
+
+def test_a_new_step_never_ends_on_an_earlier_steps_stale_event():
+    """A moved end event leaves a stale copy behind; a node's next step must never be ended by
+    its previous step's stale copy (it was when each step counted its versions from zero)."""
+    from kvpool.sim.host import SharedHost
+
+    loop, ends = EventLoop(), {}
+    host = SharedHost(loop, cores=1, threads=1)
+
+    def done(which: str) -> None:
+        ends[which] = loop.now
+        if which == "a1":
+            host.run("a", 4.0, done, "a2")
+
+    loop.at(0.0, host.run, "a", 1.0, done, "a1")  # a1's end: 1.0 alone
+    loop.at(0.0, host.run, "b", 0.5, done, "b1")  # a1's end moves to 2.0 (a stale copy stays)
+    loop.at(1.6, host.run, "b", 1.0, done, "b2")  # a2 (from 1.5) is moved once: as often
+    loop.run()
+    # a1 ends at 1.5 (b1 took half the core until 1.0); the core never idles from then on, so
+    # a2 ends when all 6.5 s of work is done, not at 2.0 on a1's stale copy
+    assert ends == pytest.approx({"b1": 1.0, "a1": 1.5, "b2": 3.6, "a2": 6.5}, **EXACT)
+
+
 def test_a_shared_host_slows_overlapping_prefills():
     alone = toy_profile()
     shared = toy_profile(host_cores=1)
