@@ -225,3 +225,30 @@ def test_a_shared_host_slows_overlapping_prefills():
     assert free == pytest.approx([t, t], **EXACT)  # two nodes, in parallel
     both = [r.ttft for r in simulate(system, cfg(shared), reqs).records]
     assert both == pytest.approx([2 * t, 2 * t], **EXACT)  # two nodes on one core
+
+
+def test_prefill_nodes_run_prompts_in_chunks_of_their_own_budget():
+    """``prefill_chunk_tokens`` (kvpool serve's --prefill-chunk): a prefill node computes at
+    most that many prompt tokens per step, each chunk after the KV of those before it; two
+    prompts arriving together are computed one after the other, not in one step."""
+    chunked = toy_profile(prefill_chunk_tokens=4)
+    rec = simulate(disagg(), cfg(chunked), [request(0, 0.0, 10, 1, "a", "b")]).records[0]
+    t = step(prefill=4, pairs=causal(4, 0), logits=0)
+    t += step(prefill=4, pairs=causal(4, 4), context=4, logits=0)
+    t += step(prefill=2, pairs=causal(2, 8), context=8, logits=1)
+    assert rec.ttft == pytest.approx(t, **EXACT)
+    three = [request(i, 0.0, 4, 1, name) for i, name in enumerate("abc")]
+    first = step(prefill=4, pairs=causal(4, 0), logits=1)
+    ttfts = [r.ttft for r in simulate(disagg(), cfg(toy_profile(prefill_chunk_tokens=4)),
+                                      three).records]  # fmt: skip
+    assert ttfts == pytest.approx([first, 2 * first, 3 * first], **EXACT)
+    # without it the first starts alone and the two behind it share the next step
+    batched = [r.ttft for r in simulate(disagg(), cfg(toy_profile()), three).records]
+    both = first + step(prefill=8, pairs=2 * causal(4, 0), logits=2)
+    assert batched == pytest.approx([first, both, both], **EXACT)
+    with pytest.raises(ValueError, match="prefill_chunk_tokens"):
+        toy_profile(prefill_chunk_tokens=0)
+
+
+def causal(new: int, context: int) -> float:
+    return new * context + new * (new + 1) / 2

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool.config import parse_size
+from kvpool.config import ClusterConfig, parse_size
 from kvpool.sim.fit import StepSample, fit_steps
 from kvpool.sim.profile import ModelSpec, NetworkSpec, NodeSpec, PoolSpec, Profile
 
@@ -196,6 +196,7 @@ def calibrate(cfg: CalibrationConfig, say: Callable[[str], None]) -> Profile:
     sc = eng.config
     node = NodeSpec(**fit.node_fields(), max_batch=sc.max_num_seqs,
                     max_batched_tokens=sc.max_num_batched_tokens,
+                    prefill_chunk_tokens=ClusterConfig().prefill_chunk or None,
                     colocated_chunk_tokens=sc.max_num_batched_tokens,
                     kv_capacity_tokens=num_blocks * eng.block_size,
                     local_cache_blocks=num_blocks, threads=threads,
@@ -218,7 +219,8 @@ def calibrate(cfg: CalibrationConfig, say: Callable[[str], None]) -> Profile:
                        "while n nodes step, each runs at min(1, cores / (n x threads)) of its "
                        "speed alone); the conductor, the pool and the client are not counted",
                        "serving limits are kvpool serve's defaults (1 GiB KV per worker, "
-                       "a 1 GiB pool node, 64 sequences, 2048 tokens per step)",
+                       "a 1 GiB pool node, 64 sequences, 2048 tokens per step, "
+                       f"{ClusterConfig().prefill_chunk} on prefill workers)",
                        "per-request HTTP and RPC costs are not measured: only the link's "
                        "fixed cost per transfer",
                        "decode_tail: kvpool's decode worker reads the prompt's full blocks "

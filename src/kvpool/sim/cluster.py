@@ -76,7 +76,8 @@ class SimCluster:
                          chunked=system.chunked, cache_blocks=cache)
                     for i in range(system.colocated)]  # fmt: skip
         budget = spec.max_batched_tokens
-        return [*(Node(self, f"prefill-{i:0{width}d}", "prefill", budget=budget, chunked=True,
+        chunk = spec.prefill_chunk_tokens or budget
+        return [*(Node(self, f"prefill-{i:0{width}d}", "prefill", budget=chunk, chunked=True,
                        cache_blocks=cache) for i in range(system.prefill)),
                 *(Node(self, f"decode-{i:0{width}d}", "decode", budget=budget, chunked=True,
                        cache_blocks=cache) for i in range(system.decode))]  # fmt: skip

@@ -107,7 +107,9 @@ class NodeSpec:
     step_base_s: float = 0.0  # fixed cost of a step (launches, collectives, the scheduler)
     decode_seq_s: float = 0.0  # cost of each decoding sequence in a step (sampling, bookkeeping)
     max_batch: int = 128  # running sequences per node
-    max_batched_tokens: int = 8192  # tokens per step (the prefill chunk on prefill nodes)
+    max_batched_tokens: int = 8192  # tokens per step
+    # tokens per step on prefill nodes (kvpool serve's --prefill-chunk; None: max_batched_tokens)
+    prefill_chunk_tokens: int | None = None
     colocated_chunk_tokens: int = 2048  # the token budget of a chunked colocated step
     kv_capacity_tokens: int = 1_000_000  # KV a decode node can hold for running requests
     local_cache_blocks: int = 1000  # the node's own prefix cache (LRU), in blocks
@@ -131,6 +133,8 @@ class NodeSpec:
                 raise ValueError(f"{name} must be <= 1 (a share of the peak), got {v}")
         if self.host_cores is not None:
             _positive(self, "host_cores")
+        if self.prefill_chunk_tokens is not None:
+            _positive(self, "prefill_chunk_tokens")
 
 
 @dataclass(slots=True, frozen=True)
