@@ -192,7 +192,6 @@ def test_nodes_on_one_host_share_its_cores():
     assert ends == pytest.approx({"a": 1.0, "b": 1.0}, **EXACT)
 
 
-
 def test_a_new_step_never_ends_on_an_earlier_steps_stale_event():
     """A moved end event leaves a stale copy behind; a node's next step must never be ended by
     its previous step's stale copy (it was when each step counted its versions from zero)."""
