@@ -57,10 +57,11 @@ def test_rows_reorder_and_stack():
 @needs_kernel
 @pytest.mark.parametrize("kind", ["q4", "q8"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 33])
-def test_qlinear_matches_float_arithmetic_on_the_same_weights(kind, rows):
+@pytest.mark.parametrize("k", [160, 576])  # 5 blocks; 18 (two groups of 8 and a tail of 2)
+def test_qlinear_matches_float_arithmetic_on_the_same_weights(kind, rows, k):
     # 16-bit activations: the result is float32's on the dequantized weights, to ~1e-5
-    bw = quantize(weights(37, 160), kind)
-    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    bw = quantize(weights(37, k), kind)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     want = x @ bw.dequantize().t()
     got = kern.qlinear(x, bw.qs, bw.d, bw.m)
     scale = want.abs().max()
