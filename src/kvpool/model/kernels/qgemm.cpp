@@ -94,22 +94,13 @@ inline void q8_block(const uint8_t* p, __m256i& lo, __m256i& hi) {
   hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
 }
 
-// acc + a[0:n] * b[0:n] lane by lane (the caller sums the lanes): the tail by masked loads.
-inline __m256 add_dot(__m256 acc, const float* a, const float* b, int64_t n) {
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  if (i < n) {
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - i)),
-                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    acc = _mm256_fmadd_ps(_mm256_maskload_ps(a + i, mask), _mm256_maskload_ps(b + i, mask), acc);
-  }
-  return acc;
-}
-
-// The lane sums of four vectors, in order.
-inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  float v = hsum(acc);
+  for (; i < n; ++i) v += a[i] * b[i];
+  return v;
 }
 
 // NT weight rows x MT activation rows: NT * MT accumulators of 8 lanes. Pairs of int16
@@ -146,22 +137,13 @@ void tile(const QWeights& w, const QAct& a, int64_t n0, int64_t m0, float* y, in
       }
     }
   }
-  if constexpr (Q4) {  // the offsets' term joins the lanes before they are summed
-    for (int i = 0; i < NT; ++i)
-      for (int j = 0; j < MT; ++j)
-        acc[i][j] = add_dot(acc[i][j], w.m + (n0 + i) * nb, a.s.data() + (m0 + j) * nb, nb);
-  }
-  for (int j = 0; j < MT; ++j) {
-    float* out = y + (m0 + j) * ldy + n0;
-    if constexpr (NT == 4) {
-      __m128 v = hsum4(acc[0][j], acc[1][j], acc[2][j], acc[3][j]);
-      if (accumulate) v = _mm_add_ps(v, _mm_loadu_ps(out));
-      _mm_storeu_ps(out, v);
-    } else {
-      for (int i = 0; i < NT; ++i) {
-        const float v = hsum(acc[i][j]);
-        out[i] = accumulate ? out[i] + v : v;
-      }
+  for (int i = 0; i < NT; ++i) {
+    const int64_t n = n0 + i;
+    for (int j = 0; j < MT; ++j) {
+      float v = hsum(acc[i][j]);
+      if constexpr (Q4) v += dot_f32(w.m + n * nb, a.s.data() + (m0 + j) * nb, nb);
+      float* out = y + (m0 + j) * ldy + n;
+      *out = accumulate ? *out + v : v;
     }
   }
 }
