@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import os
 import queue
 import selectors
 import socket
@@ -27,6 +26,7 @@ from kvpool.common.errors import BackpressureError, KVPoolError, PayloadTooLarge
 from kvpool.common.net import is_loopback
 from kvpool.common.rpc_admit import Connection, Gate, Refused, ServerLimits, parse_request
 from kvpool.common.rpc_dispatch import Call, LatencyHistogram, execute, method_table
+from kvpool.common.rpc_wake import WakePipe
 from kvpool.common.rpc_wire import (
     HEADER,
     MAGIC,
@@ -99,8 +99,7 @@ class RpcServer:
         self._conns: dict[int, Connection] = {}  # by fileno
         self._unauthenticated = 0
         self._done: queue.SimpleQueue[tuple[Connection, bytes]] = queue.SimpleQueue()
-        self._wake_lock = threading.Lock()
-        self._wake: tuple[int, int] | None = None
+        self._wake: WakePipe | None = None
         self._closed = False
         self._next_sweep = 0.0
 
@@ -111,9 +110,7 @@ class RpcServer:
         if self._thread is None:
             if self._workers > 1:
                 self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="kvpool-rpc")
-                self._wake = os.pipe()
-                os.set_blocking(self._wake[0], False)
-                os.set_blocking(self._wake[1], False)
+                self._wake = WakePipe()
             self._thread = threading.Thread(
                 target=self._serve, name=f"kvpool-rpc-{self.port}", daemon=True
             )
@@ -148,17 +145,15 @@ class RpcServer:
         self._listener.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
-        with self._wake_lock:
-            if self._wake is not None:
-                os.close(self._wake[0])
-                os.close(self._wake[1])
-                self._wake = None
+        if self._wake is not None:
+            self._wake.close()
 
     # -- the serving loop ------------------------------------------------------------------
 
     def _serve(self) -> None:
         self._sel.register(self._listener, selectors.EVENT_READ, None)
-        wake_fd = self._wake[0] if self._wake else None
+        wake = self._wake
+        wake_fd = wake.read_fd if wake is not None else None
         if wake_fd is not None:
             self._sel.register(wake_fd, selectors.EVENT_READ, None)
         try:
@@ -167,8 +162,8 @@ class RpcServer:
                     for key, events in self._sel.select(_POLL_S):
                         conn = key.data
                         if conn is None:
-                            if key.fd == wake_fd:
-                                self._send_done(wake_fd)
+                            if wake is not None and key.fd == wake_fd:
+                                self._send_done(wake)
                             else:
                                 self._accept()
                             continue
@@ -326,14 +321,11 @@ class RpcServer:
 
     def _work(self, conn: Connection, call: Call) -> None:
         self._done.put((conn, execute(call, MAX_REPLY, self.latency, self.stats)))
-        with self._wake_lock:
-            if self._wake is not None:
-                with contextlib.suppress(BlockingIOError):  # full pipe: the loop is awake
-                    os.write(self._wake[1], b"\0")
+        if self._wake is not None:
+            self._wake.signal()
 
-    def _send_done(self, wake_fd: int) -> None:
-        with contextlib.suppress(BlockingIOError):
-            os.read(wake_fd, 4096)
+    def _send_done(self, wake: WakePipe) -> None:
+        wake.drain()
         for _ in range(self._max_pending + 1):
             try:
                 conn, data = self._done.get_nowait()
