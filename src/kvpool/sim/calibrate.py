@@ -194,9 +194,10 @@ def calibrate(cfg: CalibrationConfig, say: Callable[[str], None]) -> Profile:
     say(f"link: {bw / 1e9:.2f} GB/s, {overhead * 1e3:.2f} ms per transfer")
     num_blocks = eng.pool.num_blocks
     sc = eng.config
+    prefill_chunk = ClusterConfig().prefill_chunk  # kvpool serve's prefill workers' steps
     node = NodeSpec(**fit.node_fields(), max_batch=sc.max_num_seqs,
                     max_batched_tokens=sc.max_num_batched_tokens,
-                    prefill_chunk_tokens=ClusterConfig().prefill_chunk or None,
+                    prefill_chunk_tokens=prefill_chunk or None,
                     colocated_chunk_tokens=sc.max_num_batched_tokens,
                     kv_capacity_tokens=num_blocks * eng.block_size,
                     local_cache_blocks=num_blocks, threads=threads,
@@ -220,7 +221,7 @@ def calibrate(cfg: CalibrationConfig, say: Callable[[str], None]) -> Profile:
                        "speed alone); the conductor, the pool and the client are not counted",
                        "serving limits are kvpool serve's defaults (1 GiB KV per worker, "
                        "a 1 GiB pool node, 64 sequences, 2048 tokens per step, "
-                       f"{ClusterConfig().prefill_chunk} on prefill workers)",
+                       f"{prefill_chunk} on prefill workers)",
                        "per-request HTTP and RPC costs are not measured: only the link's "
                        "fixed cost per transfer",
                        "decode_tail: kvpool's decode worker reads the prompt's full blocks "
