@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -183,3 +184,35 @@ def test_stale_view_costs_a_short_load_and_recompute(pool, tiny_engine_factory):
     # the recomputed blocks were saved back, and the view learned it from the saves
     assert pool.exists(block_key(hashes[5]))
     assert conn.view.leading(hashes[:10]) == (10, True)
+
+
+def test_lookups_start_when_requests_arrive_not_when_scheduled(pool, tiny_engine_factory):
+    """Three prompts whose prefixes sit in the pool, added together: their pool lookups run
+    on arrival, before any step, so none waits a step for another's answer; one lookup each."""
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [prompt_of(20 + i, 41) for i in range(3)]
+    colds = [warm_pool(pool, tiny_engine_factory, p, sp)[0] for p in prompts]
+    conn = StoreConnector(pool)
+    eng = tiny_engine_factory(connector=conn)
+    hashes = [block_hashes(p[:40], 4, eng.kv_manager.hash_seed) for p in prompts]
+    try:
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, sp)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(
+            conn.view.leading(h) != (10, True) for h in hashes
+        ):
+            time.sleep(0.005)
+        assert [conn.view.leading(h) for h in hashes] == [(10, True)] * 3  # before any step
+        assert eng.scheduler.stats.steps == 0
+        eng.step()  # all three are admitted with their loads in the first step
+        assert eng.scheduler.stats.loads_started == 3
+        outs = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                outs[o.request_id] = o
+    finally:
+        eng.close()
+    assert [outs[f"r{i}"].outputs[0].token_ids for i in range(3)] == colds
+    assert all(outs[f"r{i}"].num_cached_tokens == 40 for i in range(3))
+    assert conn._prefetch.lookups == 3  # the scheduler asked nothing again

@@ -84,6 +84,8 @@ class AsyncLLMEngine:
         rid = request_id or uuid.uuid4().hex
         ids = self.engine.tokenize(prompt)
         self.engine.check_length(len(ids), params)
+        if kv_handle is None:  # the pool lookup starts while the request waits for the engine
+            self.engine.request_arrived(ids)
         sink: asyncio.Queue = asyncio.Queue()
         text = prompt if isinstance(prompt, str) else None
         self._inbox.put(_Add(rid, ids, text, params, sink, asyncio.get_running_loop(), kv_handle))
@@ -138,7 +140,7 @@ class AsyncLLMEngine:
             return
         try:
             self.engine.add_request(item.request_id, item.token_ids, item.params,
-                                    kv_handle=item.kv_handle)  # fmt: skip
+                                    kv_handle=item.kv_handle, announced=True)  # fmt: skip
         except Exception as e:
             item.loop.call_soon_threadsafe(item.sink.put_nowait, e)
             return

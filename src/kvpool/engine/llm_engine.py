@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.common.errors import BadRequestError, NotFoundError
-from kvpool.common.hashing import kv_namespace, namespace_seed
+from kvpool.common.hashing import block_hashes, kv_namespace, namespace_seed
 from kvpool.config import EngineConfig
 from kvpool.engine.block_pool import BlockPool
 from kvpool.engine.connectors.base import BlockRef, KVConnector, NoopConnector
@@ -147,11 +147,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         kv_handle: object = None,
+        announced: bool = False,
     ) -> Request:
         """Queue a request; raises BadRequestError if it can never be served. ``kv_handle``:
         where a prefill worker holds the prompt's KV (``protocol.decode.KVHandle``; the
         connector may read it from there). With ``params.n`` > 1 its sequences get the ids
-        ``child_id(request_id, i)``, reserved from now on."""
+        ``child_id(request_id, i)``, reserved from now on. ``announced``: the caller already
+        passed the prompt to ``request_arrived``."""
         params = params or SamplingParams()
         children = [child_id(request_id, i) for i in range(1, params.n)]
         if any(r in self.requests or r in self._child_ids for r in [request_id, *children]):
@@ -162,6 +164,8 @@ class LLMEngine:
             request_id, ids, params, prompt if isinstance(prompt, str) else None, arrival_time
         )
         req.kv_handle = kv_handle
+        if not announced and kv_handle is None:
+            self.request_arrived(ids)
         self.output.start(req)
         self.requests[request_id] = req
         self._child_ids.update(children)
@@ -169,6 +173,18 @@ class LLMEngine:
         self.prompt_tokens += len(ids)
         self.publish()
         return req
+
+    def request_arrived(self, token_ids: list[int]) -> None:
+        """Hand a received prompt's block hashes to the connector (any thread), so its pool
+        lookup runs while the request waits for the engine thread and the scheduler."""
+        if type(self.connector).request_arrived is KVConnector.request_arrived:
+            return  # this connector does nothing with it: no hashing
+        bs = self.kv_manager.block_size
+        n = (len(token_ids) - 1) // bs
+        if n > 0:
+            self.connector.request_arrived(
+                block_hashes(token_ids[: n * bs], bs, self.kv_manager.hash_seed)
+            )
 
     def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Reject prompts (plus requested output) longer than the model or cache can hold."""

@@ -9,6 +9,8 @@ The shape follows vLLM's ``KVConnectorBase_V1`` (so a vLLM connector can share a
   provide, and whether it loads them in the background. ``tokens`` is ``None`` when it cannot
   tell yet (a lookup in flight, the load queue full): the scheduler asks again next step and
   schedules other requests meanwhile. No side effects.
+- ``request_arrived(block_hashes)``: a request was received (any thread, possibly before the
+  engine thread queues it): an asynchronous connector may start its lookup now.
 - ``update_state_after_alloc(request, blocks, block_ids)``: the scheduler allocated
   ``block_ids`` for ``blocks``; an asynchronous connector starts loading them now. The request
   waits in ``WAITING_FOR_REMOTE_KVS`` while other requests keep stepping.
@@ -75,6 +77,11 @@ class KVConnector(ABC):
         return None
 
     # -- scheduler side ---------------------------------------------------------------------
+
+    def request_arrived(self, block_hashes: list[bytes]) -> None:  # noqa: B027
+        """A request whose prompt has these full blocks (those a load could provide) was
+        received; called from any thread, before the scheduler sees it. An asynchronous
+        connector starts its lookup here. Must not block."""
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

@@ -23,6 +23,7 @@ from kvpool.engine.connectors.base import BlockRef
 logger = logging.getLogger(__name__)
 
 MAX_VIEW_ENTRIES = 1 << 20
+MAX_HINTS = 4096  # arrival lookups queued at once
 BACKGROUND_NICE = 5
 
 
@@ -129,6 +130,9 @@ class Prefetcher:
         self._lock = threading.Lock()
         self._event = threading.Event()
         self._asked: dict[str, float] = {}  # request id -> when its lookup was queued
+        # lookups queued when a request arrived (``hint``), by the first hash they ask about:
+        # the scheduler waits for that answer instead of asking again
+        self._hinted: dict[bytes, threading.Event] = {}
         self._jobs: dict[str, _Job] = {}  # queued or running loads
         self._finished: dict[str, int] = {}
         # a report whose request id already has one waiting (a request aborted during its
@@ -157,8 +161,11 @@ class Prefetcher:
             now = time.monotonic()
             if asked is None:
                 self._asked[request_id] = now
-                answered = threading.Event()
-                self._lookups.put((request_id, hashes[n:], answered))
+                with self._lock:
+                    answered = self._hinted.get(hashes[n])
+                if answered is None:
+                    answered = threading.Event()
+                    self._lookups.put((hashes[n:], answered))
                 # a lookup takes a round trip to the master: worth a few milliseconds of this
                 # step, against a whole step of waiting for the next one (at most
                 # ``lookup_grace`` per 50 ms however many requests arrive)
@@ -175,6 +182,21 @@ class Prefetcher:
         if n and len(self._jobs) >= self.max_loads:
             return None
         return n
+
+    def hint(self, hashes: list[bytes]) -> None:
+        """A request with these block hashes arrived (any thread): look them up now, so the
+        answer is in the view when the scheduler first considers the request (several
+        arrivals during one step are looked up together, none waits a step for its turn)."""
+        n, final = self.view.leading(hashes)
+        if final or n >= len(hashes):
+            return
+        with self._lock:
+            if hashes[n] in self._hinted:
+                return
+            if len(self._hinted) >= MAX_HINTS:  # the lookups are behind: the scheduler asks
+                return
+            answered = self._hinted[hashes[n]] = threading.Event()
+        self._lookups.put((hashes[n:], answered))
 
     def start_load(self, request_id: str, blocks: list[BlockRef], block_ids: list[int],
                    source: object = None, tier: str = "dram") -> None:  # fmt: skip
@@ -231,7 +253,7 @@ class Prefetcher:
             item = self._lookups.get()
             if item is None:
                 return
-            _, hashes, answered = item
+            hashes, answered = item
             self.lookups += 1
             try:
                 present = self._exists(hashes)
@@ -239,6 +261,9 @@ class Prefetcher:
                 present = [None] * len(hashes)
             self.view.mark(hashes, present)
             answered.set()
+            with self._lock:
+                if self._hinted.get(hashes[0]) is answered:
+                    del self._hinted[hashes[0]]
             self._event.set()
 
     def _load_loop(self) -> None:

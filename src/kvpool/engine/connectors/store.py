@@ -131,6 +131,10 @@ class StoreConnector(KVConnector):
 
     # -- scheduler side (asynchronous) --------------------------------------------------------
 
+    def request_arrived(self, block_hashes: list[bytes]) -> None:
+        if self._prefetch is not None and block_hashes and self.pool_up():
+            self._prefetch.hint(block_hashes)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
