@@ -26,16 +26,28 @@ def reference(real_model):
     return LlamaModel(real_model.config, real_model.weights, torch.float32, "float32")
 
 
+@pytest.fixture(scope="module")
+def text_ids(real_model) -> list[int]:
+    return real_model.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def reference_logprobs(reference, text_ids) -> torch.Tensor:
+    """The float32 model's next-token log-probabilities over the text (computed once for
+    both weight formats)."""
+    return next_token_logprobs(reference, text_ids)
+
+
 def _ppl(lp: torch.Tensor, ids: list[int]) -> float:
     return float(torch.exp(-lp.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).mean()))
 
 
 @pytest.mark.parametrize(("fmt", "min_top1"), [("q4", 0.995), ("int8", 0.95)])
-def test_perplexity_within_one_percent_of_float32(real_model, reference, fmt, min_top1):
-    ids = real_model.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
+def test_perplexity_within_one_percent_of_float32(real_model, text_ids, reference_logprobs,
+                                                  fmt, min_top1):  # fmt: skip
+    ids, ref_lp = text_ids, reference_logprobs
     model = LlamaModel(real_model.config, real_model.weights, torch.float32, fmt,
                        source=real_model.path)  # fmt: skip
-    ref_lp = next_token_logprobs(reference, ids)
     with block_path(model):
         lp = next_token_logprobs(model, ids)
     ref_ppl, ppl = _ppl(ref_lp, ids), _ppl(lp, ids)

@@ -152,7 +152,8 @@ def complete(
 
 
 def cmd_load(a) -> dict:
-    """Requests with unique prompts, ``concurrency`` at a time, for ``duration`` s."""
+    """Requests with unique prompts, ``concurrency`` at a time, for ``duration`` s (each
+    worker sends at least one, however late it starts on a busy machine)."""
     records: list[dict] = []
     lock = threading.Lock()
     end = time.time() + a.duration
@@ -160,7 +161,9 @@ def cmd_load(a) -> dict:
 
     def worker():
         with httpx.Client(timeout=120) as http:
-            while time.time() < end:
+            sent = 0
+            while not sent or time.time() < end:
+                sent += 1
                 with lock:
                     i = next(counter)
                 rec = complete(http, a.base, a.api_key, prompt(a.tag, i), a.max_tokens, a.retries)

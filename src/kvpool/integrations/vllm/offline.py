@@ -6,8 +6,9 @@ benchmark's driver, and a small demo. Runs with a python that has vLLM (and kvpo
 
 Per prompt, in order: the time of a one-token generate (the TTFT of a lone request) and the
 greedy continuation of ``--new-tokens``. vLLM's own prefix cache is off, so whatever is
-reused comes from the pool. With ``--master`` the worker's connector writes its counters to
-``RESULT.json.stats`` (``stats_file``).
+reused comes from the pool. ``--cold`` adds each prompt's cold continuation computed by the
+same process (a salted request: the connector neither loads nor saves it). With ``--master``
+the worker's connector writes its counters to ``RESULT.json.stats`` (``stats_file``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ def main() -> None:
         action="store_true",
         help="vLLM's own prefix cache on (off by default: reuse comes from the pool)",
     )
+    ap.add_argument("--cold", action="store_true",
+                    help="also run each prompt with a cache salt (never loaded from the pool, "
+                         "never saved, no prefix cache): the cold reference from this same "
+                         "process, as \"cold_tokens\"")  # fmt: skip
     ap.add_argument("--dtype", default="float32")
     ap.add_argument(
         "--pool-dtype",
@@ -106,6 +111,10 @@ def main() -> None:
         out = llm.generate([{"prompt_token_ids": p}], params(args.new_tokens), use_tqdm=False)
         results.append({"ttft_s": ttft, "tokens": list(out[0].outputs[0].token_ids)})
         say(f"prompt of {len(p)} tokens: TTFT {ttft:.3f} s")
+    for p, res in zip(prompts if args.cold else [], results, strict=False):
+        salted = {"prompt_token_ids": p, "cache_salt": "kvpool-offline-cold"}
+        out = llm.generate([salted], params(args.new_tokens), use_tqdm=False)
+        res["cold_tokens"] = list(out[0].outputs[0].token_ids)
     with open(args.out, "w") as f:
         json.dump({"results": results, "pool": args.master, "example": args.example_storage}, f)
 
