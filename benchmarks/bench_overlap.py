@@ -15,7 +15,14 @@ reads it over ``--transport``, TCP by default: a decode host and a store host) h
 - ``local``: the same arrivals, their prefixes already in the engine's own cache: the same
   compute with no load at all (the "no loads" reference: a request's first decode over a
   1,024-token context costs what it costs, loaded or not);
-- ``streams``: the streams alone, nothing arrives (context: what the arrivals' own compute adds).
+- ``streams``: the streams alone, nothing arrives (context: what the arrivals' own compute adds);
+- ``async_late``: ``async`` with the pool lookup issued when the scheduler first considers a
+  request (``StoreConnector(arrival_lookups=False)``, what kvpool did before) instead of when
+  it arrives.
+
+Each arrival's time to first token (from ``add_request`` to its one token) is recorded too:
+``arrival_ttft_p50_late_vs_arrival`` = async_late / async, the median over rounds of each
+round's p50 (higher: looking up on arrival admits a burst sooner).
 
 The streams' time between tokens (TBT) is measured inside the window; per mode the figure is
 the median over rounds of each round's p99. ``tbt_p99_loads_vs_idle`` = async / local (target
@@ -46,7 +53,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import CACHE, KvpoolProcs, Results, log  # noqa: E402
 
-MODES = ("local", "async", "sync", "streams")
+MODES = ("local", "async", "sync", "streams", "async_late")
 
 
 class Pool:
@@ -67,7 +74,7 @@ class Pool:
         self.procs.close()
 
 
-def make_engine(model, args, pool: Pool, async_load: bool):
+def make_engine(model, args, pool: Pool, async_load: bool, arrival_lookups: bool = True):
     from kvpool.config import EngineConfig, TransferConfig
     from kvpool.engine.connectors.store import StoreConnector
     from kvpool.engine.llm_engine import LLMEngine
@@ -75,7 +82,7 @@ def make_engine(model, args, pool: Pool, async_load: bool):
 
     client = StoreClient(pool.master, TransferConfig(transport=args.transport, auth_token=""),
                          token="")  # fmt: skip
-    conn = StoreConnector(client, async_load=async_load)
+    conn = StoreConnector(client, async_load=async_load, arrival_lookups=arrival_lookups)
     cfg = EngineConfig(kv_cache_memory_bytes=args.kv_memory, num_threads=args.threads,
                        max_num_batched_tokens=args.prefix_tokens + 64)  # fmt: skip
     return LLMEngine(cfg, model, conn), client
@@ -108,7 +115,7 @@ def streams_window(eng, args, prefixes: list[list[int]] | None, rng: random.Rand
     loads0, prefetch = sched.loads_started, getattr(eng.connector, "_prefetch", None)
     load_s0 = prefetch.load_seconds if prefetch else 0.0
     conn_load0 = eng.connector.stats.load_seconds
-    arrived = 0
+    arrived, added, ttfts = 0, {}, []
     for step in range(args.window):
         due = arrived
         if prefixes and step % args.every == 0:  # a burst of arrivals
@@ -116,19 +123,28 @@ def streams_window(eng, args, prefixes: list[list[int]] | None, rng: random.Rand
         while arrived < due:
             # one fresh token: the request's own compute is one row, like a decode
             fresh = [rng.randrange(1000, 20000)]
-            eng.add_request(f"p{arrived}-{rng.random()}", prefixes[arrived] + fresh, one)
+            rid = f"p{arrived}-{rng.random()}"
+            added[rid] = time.perf_counter()
+            eng.add_request(rid, prefixes[arrived] + fresh, one)
             arrived += 1
         outs = eng.step()
         now = time.perf_counter()
         for o in outs:
+            if o.request_id in added and o.outputs[0].token_ids:
+                ttfts.append(now - added.pop(o.request_id))
             if o.request_id in last:
                 gaps.append(now - last[o.request_id])
                 last[o.request_id] = now
     for rid in ids:
         eng.abort_request(rid)
     while eng.has_work():
-        eng.step()  # finish the prefix requests
+        outs = eng.step()  # finish the prefix requests
+        now = time.perf_counter()
+        for o in outs:
+            if o.request_id in added and o.outputs[0].token_ids:
+                ttfts.append(now - added.pop(o.request_id))
     out = {"tbt_p99": pct(gaps, 0.99), "tbt_p50": pct(gaps, 0.50), "samples": len(gaps),
+           "ttft_p50": pct(ttfts, 0.50), "ttfts": len(ttfts),
            "loads": sched.loads_started - loads0,
            "stall_s": eng.load_stall_seconds - stall0,
            "load_s": (prefetch.load_seconds - load_s0) if prefetch else
@@ -196,6 +212,7 @@ def main() -> None:
     try:
         engines["async"] = make_engine(model, args, pool, True)
         engines["sync"] = make_engine(model, args, pool, False)
+        engines["async_late"] = make_engine(model, args, pool, True, arrival_lookups=False)
         log(f"computing {args.prefixes} prefixes of {args.prefix_tokens} tokens into the pool")
         prefixes, save_s, wait_s = compute_prefixes(engines["async"][0], args, rng)
         res.figure("save_seconds", save_s)
@@ -205,7 +222,7 @@ def main() -> None:
         for rnd in range(args.rounds):
             k = rnd % len(MODES)
             for mode in MODES[k:] + MODES[:k]:
-                eng = engines["sync" if mode == "sync" else "async"][0]
+                eng = engines[mode if mode in ("sync", "async_late") else "async"][0]
                 r = streams_window(eng, args, None if mode == "streams" else prefixes, rng,
                                    local=mode == "local")  # fmt: skip
                 runs[mode].append(r)
@@ -241,6 +258,10 @@ def report(res: Results, runs: dict[str, list[dict]], args) -> None:
     per_round = [s["tbt_p99"] / a["tbt_p99"] for s, a in zip(runs["sync"], runs["async"],
                                                              strict=True)]  # fmt: skip
     res.figure("sync_vs_async_per_round_min", min(per_round))
+    ttft = {m: statistics.median(r["ttft_p50"] for r in runs[m]) for m in MODES if m != "streams"}
+    for m, v in ttft.items():
+        res.figure(f"{m}_arrival_ttft_p50_ms", v * 1e3)
+    res.ratio("arrival_ttft_p50_late_vs_arrival", ttft["async_late"], ttft["async"])
 
 
 if __name__ == "__main__":

@@ -62,7 +62,8 @@ class StoreConnector(KVConnector):
 
     def __init__(self, client, retry_after_s: float = 5.0, save: bool = True, *,
                  async_load: bool = True, max_loads: int = 8,
-                 fetch_policy: bool = True, direct: bool = True) -> None:  # fmt: skip
+                 fetch_policy: bool = True, direct: bool = True,
+                 arrival_lookups: bool = True) -> None:  # fmt: skip
         self.client = client  # a kvpool.store.StoreClient (thread-safe)
         self.retry_after_s = retry_after_s
         self._save_enabled = save
@@ -76,6 +77,9 @@ class StoreConnector(KVConnector):
         self._tiers: dict[str, str] = {}  # request -> the pool tier its blocks are in
         self._tiers_rpc = True  # the master answers batch_tiers (else: batch_exists)
         self._started: dict[str, tuple[float, float | None]] = {}  # request -> (when, predicted)
+        # look a request up when it arrives (``request_arrived``); False: when the scheduler
+        # first considers it (the behaviour before; bench_overlap.py compares the two)
+        self.arrival_lookups = arrival_lookups
         self._use_direct = direct and async_load
         self.direct: DirectReads | None = None  # set at bind (it needs the KV tensor)
         self._direct_jobs: dict[str, object] = {}  # request -> the KV handle it loads from
@@ -132,7 +136,7 @@ class StoreConnector(KVConnector):
     # -- scheduler side (asynchronous) --------------------------------------------------------
 
     def request_arrived(self, block_hashes: list[bytes]) -> None:
-        if self._prefetch is not None and block_hashes and self.pool_up():
+        if self._prefetch is not None and self.arrival_lookups and block_hashes and self.pool_up():
             self._prefetch.hint(block_hashes)
 
     def get_num_new_matched_tokens(
