@@ -1,8 +1,8 @@
 """Runs inside the decode host of ``test_slow_tier.py``: one engine process, the real model,
-the pool across a throttled link. For a short and a long prefix that the pool holds, the
+the pool across a link the test shapes. For a short and a long prefix that the pool holds, the
 time to first token three ways: recomputed (no connector), always loaded
 (``fetch_policy=False``) and decided (the default policy), each while a decode stream runs;
-prints one JSON line."""
+one JSON line per link (see ``main``)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
 
 import torch
@@ -29,6 +30,11 @@ def engine(model, master: str | None, policy: bool) -> LLMEngine:
         conn = StoreConnector(client, fetch_policy=policy)
     cfg = EngineConfig(kv_cache_memory_bytes="512MiB", num_threads=1, max_num_batched_tokens=2048)
     return LLMEngine(cfg, model, conn)
+
+
+def close(eng: LLMEngine) -> None:
+    eng.close()
+    eng.connector.client.close()
 
 
 def finish(eng: LLMEngine) -> None:
@@ -58,44 +64,57 @@ def ttft(eng: LLMEngine, prompt: list[int], rng: random.Random) -> float:
 LENGTHS = {"short": 33, "long": 1025}  # 2 and 64 full blocks, then one token to compute
 
 
-def calibrate() -> None:
-    """This machine's recompute time of the long prefix (no pool) and the bytes a load of it
-    moves: the link rates that make loading pay, or not, follow from them."""
-    rng = random.Random(5)
-    model = load_model(None, torch.float32)
-    eng = engine(model, None, False)
-    prompt = [rng.randrange(1000, 20000) for _ in range(LENGTHS["long"])]
-    ttft(eng, [rng.randrange(1000, 20000) for _ in range(257)], rng)  # warm-up
-    took = min(ttft(eng, prompt, rng) for _ in range(2))
-    kv = eng.runner.kv_cache  # [blocks, ...]: one block's bytes, as the pool stores them
-    block_bytes = kv[0].numel() * kv.element_size()
-    blocks = LENGTHS["long"] // eng.block_size
-    print(json.dumps({"recompute_s": took, "bytes": blocks * block_bytes}), flush=True)
+def fitted(eng: LLMEngine, rng: random.Random) -> LLMEngine:
+    """``eng`` after three prompts of new lengths: its step-cost model fits their prefills (and
+    an engine with the pool, the second to see them, measures their loads)."""
+    for n in (65, 257, 769):
+        ttft(eng, [rng.randrange(1000, 20000) for _ in range(n)], rng)
+    return eng
 
 
 def main() -> None:
+    """Warm the pool with both prefixes (the link is not shaped yet), then print this machine's
+    recompute time of the long prefix and the bytes a load of it moves (the link rates that make
+    loading pay, or not, follow from them); then, for each ``measure NAME`` line on stdin (sent
+    once the link is shaped), one JSON line of time-to-first-token medians and decisions, with
+    fresh pool engines (whose load figures are this link's) against the same recompute engine."""
     rng = random.Random(5)
     model = load_model(None, torch.float32)
     prompts = {k: [rng.randrange(1000, 20000) for _ in range(n)] for k, n in LENGTHS.items()}
     warm = engine(model, ARGS.master, policy=False)
-    for p in [*prompts.values(), *[[rng.randrange(1000, 20000) for _ in range(n)]
-                                   for n in (129, 513, 1025)]]:  # fmt: skip
+    for p in prompts.values():
         warm.add_request(f"w{rng.random()}", p, SamplingParams(max_tokens=1))
         finish(warm)
     assert warm.connector.wait_saved(list(warm.pool.cached_hashes()), 120)
-    fit_prompts = [[rng.randrange(1000, 20000) for _ in range(n)] for n in (65, 257, 769)]
-    modes = {"recompute": engine(model, None, False), "load": engine(model, ARGS.master, False),
-             "auto": engine(model, ARGS.master, True)}  # fmt: skip
-    for eng in modes.values():  # the step-cost model fits its prefills; "auto" measures loads
-        for p in fit_prompts:
-            ttft(eng, p, rng)
+    close(warm)
+    recompute = fitted(engine(model, None, False), rng)
+    kv = recompute.runner.kv_cache  # [blocks, ...]: one block's bytes, as the pool stores them
+    blocks = LENGTHS["long"] // recompute.block_size
+    cal = {"recompute_s": ttft(recompute, prompts["long"], rng),
+           "bytes": blocks * kv[0].numel() * kv.element_size()}  # fmt: skip
+    print(json.dumps(cal), flush=True)
+    for line in sys.stdin:
+        if not line.startswith("measure"):
+            break
+        modes = {"recompute": recompute, "load": engine(model, ARGS.master, False)}
+        modes["auto"] = engine(model, ARGS.master, True)
+        seed = rng.random()
+        for eng in modes.values():  # the same new prompts: "load" saves them, "auto" loads them
+            fitted(eng, random.Random(seed))
+        print(json.dumps(measure(modes, prompts, rng)), flush=True)
+        for mode in ("load", "auto"):
+            close(modes[mode])
+
+
+def measure(modes: dict[str, LLMEngine], prompts: dict[str, list[int]],
+            rng: random.Random) -> dict:  # fmt: skip
     out: dict = {"ttft": {}, "decisions": {}}
+    auto = modes["auto"]
 
     def decisions() -> dict:
-        st = modes["auto"].stats()
+        st = auto.stats()
         return {"loads": st.kv_fetch_loads, "recomputes": st.kv_fetch_recomputes,
-                "skipped": st.kv_fetch_skipped,
-                "probes": modes["auto"].connector.policy.stats.probes}  # fmt: skip
+                "skipped": st.kv_fetch_skipped, "probes": auto.connector.policy.stats.probes}  # fmt: skip
 
     for kind, prompt in prompts.items():
         times: dict[str, list[float]] = {m: [] for m in modes}
@@ -105,7 +124,6 @@ def main() -> None:
                 times[mode].append(ttft(eng, prompt, rng))
         out["ttft"][kind] = {m: statistics.median(t) for m, t in times.items()}
         out["decisions"][kind] = {k: v - before[k] for k, v in decisions().items()}
-    auto = modes["auto"]
     pol = auto.connector.policy
     out["model"] = {"prefill_token_s": auto.costs.fit.prefill_token_s,
                     "load_2_blocks_s": pol.loads.predict(2 * pol.block_bytes),
@@ -113,7 +131,7 @@ def main() -> None:
                     "samples": len(pol.loads._samples)}  # fmt: skip
     f = pol.stats
     out["predicted_s"], out["realized_s"] = f.predicted_load_seconds, f.realized_load_seconds
-    print(json.dumps(out), flush=True)
+    return out
 
 
 if __name__ == "__main__":
@@ -121,6 +139,5 @@ if __name__ == "__main__":
     ap.add_argument("--master")
     ap.add_argument("--host")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--calibrate", action="store_true")
     ARGS = ap.parse_args()
-    calibrate() if ARGS.calibrate else main()
+    main()
