@@ -14,6 +14,34 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("KVPOOL_BENCH_CACHE", ROOT / ".cache" / "bench"))
 
 
+def share_torch(venv: Path, torch_spec: str) -> bool:
+    """When the Python running this has ``torch_spec``'s torch (kvpool's venv has the pin),
+    make its site-packages visible to the virtualenv ``venv`` after the venv's own (a ``.pth``
+    line), so pip finds torch installed instead of unpacking a second copy (a minute or more
+    here); whatever else the venv needs in other versions pip installs into it, where it comes
+    first ("outside environment": pip leaves the shared packages alone). False (nothing done)
+    when the versions or the Python minor versions differ."""
+    import importlib.metadata
+    import importlib.util
+
+    try:
+        if importlib.metadata.version("torch").split("+")[0] != torch_spec.split("==")[1]:
+            return False
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return False
+    shared = Path(spec.origin).resolve().parents[1]  # the site-packages that holds torch
+    site = (
+        venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    )
+    if not site.is_dir():
+        return False
+    (site / "zz-kvpool-shared-torch.pth").write_text(f"{shared}\n")
+    return True
+
+
 def log(msg: str) -> None:
     """Progress line on stderr (benchmarks are long; say what is happening)."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)

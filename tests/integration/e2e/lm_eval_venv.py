@@ -6,8 +6,6 @@ at pinned versions. A marker file naming the specs makes later runs skip the ins
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import json
 import os
 import shutil
@@ -17,6 +15,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import share_torch  # noqa: E402
+
 VENV = ROOT / ".cache" / "lm-eval-venv"
 MARKER = VENV / "kvpool-install-ok.json"
 LOG = ROOT / ".cache" / "lm-eval-install.log"
@@ -64,28 +65,6 @@ def _run(cmd: list[str], env: dict, timeout: float) -> None:
         raise InstallError(f"`{' '.join(cmd[2:5])} ...` failed ({rc}); {LOG}:\n{_tail(LOG)}")
 
 
-def _share_torch() -> bool:
-    """When the Python running the tests has the pinned torch (kvpool's venv), make its
-    site-packages visible to lm-eval's venv after the venv's own (a ``.pth`` line), so pip
-    finds torch installed instead of unpacking a second copy (about a minute); whatever
-    lm-eval needs in other versions pip installs into the venv, where it comes first."""
-    try:
-        if importlib.metadata.version("torch").split("+")[0] != SPECS[0].split("==")[1]:
-            return False
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    spec = importlib.util.find_spec("torch")
-    if spec is None or spec.origin is None:
-        return False
-    shared = Path(spec.origin).resolve().parents[1]  # the site-packages that holds torch
-    ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    site = VENV / "lib" / ver / "site-packages"
-    if not site.is_dir():
-        return False
-    (site / "zz-kvpool-shared-torch.pth").write_text(f"{shared}\n")
-    return True
-
-
 def ensure() -> float:
     """Install lm-eval unless the marker says it is there; the seconds the install took."""
     if installed():
@@ -101,7 +80,7 @@ def ensure() -> float:
     env.pop("PYTHONHOME", None)
     pip = [str(python()), "-m", "pip", "install"]
     _run([sys.executable, "-m", "venv", str(VENV)], env, 120)
-    if not _share_torch():
+    if not share_torch(VENV, SPECS[0]):
         _run([*pip, SPECS[0]], env, INSTALL_TIMEOUT_S)  # torch alone first: its CPU build
     _run([*pip, *SPECS], env, INSTALL_TIMEOUT_S)
     MARKER.write_text(json.dumps({"specs": list(SPECS), "installed_at": time.ctime()}))
