@@ -155,6 +155,8 @@ def test_an_engine_whose_compute_is_cheap_stops_loading(tiny_engine_factory):
     assert st.kv_fetch_recomputes + st.kv_fetch_skipped == 3
     assert outs[0].num_cached_tokens == 40
     assert [o.num_cached_tokens for o in outs[1:]] == [0, 0, 0]
+    # a prompt not worth looking up is not looked up on arrival either
+    assert conn._prefetch.lookups == 1 + st.kv_fetch_recomputes
     assert conn.policy.stats.measuring == 1 and conn.policy.loads.predict(1) is not None
 
 

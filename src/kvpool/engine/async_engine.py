@@ -27,6 +27,7 @@ class _Add:
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     kv_handle: object = None
+    prompt_hashes: list[bytes] | None = None  # from request_arrived: not computed again
 
 
 @dataclass(slots=True)
@@ -84,11 +85,13 @@ class AsyncLLMEngine:
         rid = request_id or uuid.uuid4().hex
         ids = self.engine.tokenize(prompt)
         self.engine.check_length(len(ids), params)
+        hashes = None
         if kv_handle is None:  # the pool lookup starts while the request waits for the engine
-            self.engine.request_arrived(ids)
+            hashes = self.engine.request_arrived(ids)
         sink: asyncio.Queue = asyncio.Queue()
         text = prompt if isinstance(prompt, str) else None
-        self._inbox.put(_Add(rid, ids, text, params, sink, asyncio.get_running_loop(), kv_handle))
+        self._inbox.put(_Add(rid, ids, text, params, sink, asyncio.get_running_loop(), kv_handle,
+                             hashes))  # fmt: skip
         finished = False
         try:
             while True:
@@ -140,7 +143,8 @@ class AsyncLLMEngine:
             return
         try:
             self.engine.add_request(item.request_id, item.token_ids, item.params,
-                                    kv_handle=item.kv_handle, announced=True)  # fmt: skip
+                                    kv_handle=item.kv_handle, announced=True,
+                                    prompt_hashes=item.prompt_hashes)  # fmt: skip
         except Exception as e:
             item.loop.call_soon_threadsafe(item.sink.put_nowait, e)
             return

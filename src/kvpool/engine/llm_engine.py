@@ -148,12 +148,14 @@ class LLMEngine:
         arrival_time: float | None = None,
         kv_handle: object = None,
         announced: bool = False,
+        prompt_hashes: list[bytes] | None = None,
     ) -> Request:
         """Queue a request; raises BadRequestError if it can never be served. ``kv_handle``:
         where a prefill worker holds the prompt's KV (``protocol.decode.KVHandle``; the
         connector may read it from there). With ``params.n`` > 1 its sequences get the ids
         ``child_id(request_id, i)``, reserved from now on. ``announced``: the caller already
-        passed the prompt to ``request_arrived``."""
+        passed the prompt to ``request_arrived``, ``prompt_hashes`` what it returned (the
+        leading block hashes, not computed again)."""
         params = params or SamplingParams()
         children = [child_id(request_id, i) for i in range(1, params.n)]
         if any(r in self.requests or r in self._child_ids for r in [request_id, *children]):
@@ -165,7 +167,9 @@ class LLMEngine:
         )
         req.kv_handle = kv_handle
         if not announced and kv_handle is None:
-            self.request_arrived(ids)
+            prompt_hashes = self.request_arrived(ids)
+        if prompt_hashes:
+            req.block_hashes.extend(prompt_hashes)
         self.output.start(req)
         self.requests[request_id] = req
         self._child_ids.update(children)
@@ -174,17 +178,20 @@ class LLMEngine:
         self.publish()
         return req
 
-    def request_arrived(self, token_ids: list[int]) -> None:
+    def request_arrived(self, token_ids: list[int]) -> list[bytes]:
         """Hand a received prompt's block hashes to the connector (any thread), so its pool
-        lookup runs while the request waits for the engine thread and the scheduler."""
+        lookup runs while the request waits for the engine thread and the scheduler; the
+        hashes (of the full blocks before the last token; none if the connector does not
+        want them), for ``add_request(prompt_hashes=...)``."""
         if type(self.connector).request_arrived is KVConnector.request_arrived:
-            return  # this connector does nothing with it: no hashing
+            return []  # this connector does nothing with it: no hashing
         bs = self.kv_manager.block_size
         n = (len(token_ids) - 1) // bs
-        if n > 0:
-            self.connector.request_arrived(
-                block_hashes(token_ids[: n * bs], bs, self.kv_manager.hash_seed)
-            )
+        if n <= 0:
+            return []
+        hashes = block_hashes(token_ids[: n * bs], bs, self.kv_manager.hash_seed)
+        self.connector.request_arrived(hashes)
+        return hashes
 
     def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Reject prompts (plus requested output) longer than the model or cache can hold."""

@@ -136,8 +136,15 @@ class StoreConnector(KVConnector):
     # -- scheduler side (asynchronous) --------------------------------------------------------
 
     def request_arrived(self, block_hashes: list[bytes]) -> None:
-        if self._prefetch is not None and self.arrival_lookups and block_hashes and self.pool_up():
-            self._prefetch.hint(block_hashes)
+        if self._prefetch is None or not self.arrival_lookups or not block_hashes:
+            return
+        if not self.pool_up():
+            return
+        if self.policy is not None and not self.policy.worth_looking_up(
+            len(block_hashes), self._prefetch.backlog_blocks()
+        ):
+            return  # even a full hit would not pay: the scheduler will not look it up either
+        self._prefetch.hint(block_hashes)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
