@@ -19,10 +19,18 @@ reads it over ``--transport``, TCP by default: a decode host and a store host) h
 - ``async_late``: ``async`` with the pool lookup issued when the scheduler first considers a
   request (``StoreConnector(arrival_lookups=False)``, what kvpool did before) instead of when
   it arrives.
+- ``async_nice5``: ``async`` with the background lookup and load threads at nice 5
+  (``StoreConnector(load_nice=5)``, the default before) instead of the engine's own CPU
+  priority: on cores the engine's threads keep busy, a lower-priority load runs in what they
+  leave, so the loaded request waits longer for its first token; at equal priority the load
+  takes its share of the cores from the streams.
 
 Each arrival's time to first token (from ``add_request`` to its one token) is recorded too:
 ``arrival_ttft_p50_late_vs_arrival`` = async_late / async, the median over rounds of each
-round's p50 (higher: looking up on arrival admits a burst sooner).
+round's p50 (higher: looking up on arrival admits a burst sooner);
+``arrival_ttft_p50_nice5_vs_nice0`` = async_nice5 / async (higher: the lower priority costs the
+loaded requests) and ``tbt_p99_nice0_vs_nice5`` = async / async_nice5 (higher: the equal
+priority costs the streams).
 
 The streams' time between tokens (TBT) is measured inside the window; per mode the figure is
 the median over rounds of each round's p99. ``tbt_p99_loads_vs_idle`` = async / local (target
@@ -53,7 +61,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import CACHE, KvpoolProcs, Results, log  # noqa: E402
 
-MODES = ("local", "async", "sync", "streams", "async_late")
+MODES = ("local", "async", "sync", "streams", "async_late", "async_nice5")
 
 
 class Pool:
@@ -74,15 +82,19 @@ class Pool:
         self.procs.close()
 
 
-def make_engine(model, args, pool: Pool, async_load: bool, arrival_lookups: bool = True):
+def make_engine(model, args, pool: Pool, async_load: bool, arrival_lookups: bool = True,
+                load_nice: int | None = None):  # fmt: skip
     from kvpool.config import EngineConfig, TransferConfig
     from kvpool.engine.connectors.store import StoreConnector
     from kvpool.engine.llm_engine import LLMEngine
     from kvpool.store import StoreClient
 
-    client = StoreClient(pool.master, TransferConfig(transport=args.transport, auth_token=""),
-                         token="")  # fmt: skip
-    conn = StoreConnector(client, async_load=async_load, arrival_lookups=arrival_lookups)
+    # spin_us=0 as in ``kvpool worker``: a thread polling for a pool reply takes CPU (and the
+    # GIL) from the model's compute
+    client = StoreClient(pool.master, TransferConfig(transport=args.transport, auth_token="",
+                                                     spin_us=0), token="")  # fmt: skip
+    nice = {} if load_nice is None else {"load_nice": load_nice}  # None: the default
+    conn = StoreConnector(client, async_load=async_load, arrival_lookups=arrival_lookups, **nice)
     cfg = EngineConfig(kv_cache_memory_bytes=args.kv_memory, num_threads=args.threads,
                        max_num_batched_tokens=args.prefix_tokens + 64)  # fmt: skip
     return LLMEngine(cfg, model, conn), client
@@ -213,6 +225,7 @@ def main() -> None:
         engines["async"] = make_engine(model, args, pool, True)
         engines["sync"] = make_engine(model, args, pool, False)
         engines["async_late"] = make_engine(model, args, pool, True, arrival_lookups=False)
+        engines["async_nice5"] = make_engine(model, args, pool, True, load_nice=5)
         log(f"computing {args.prefixes} prefixes of {args.prefix_tokens} tokens into the pool")
         prefixes, save_s, wait_s = compute_prefixes(engines["async"][0], args, rng)
         res.figure("save_seconds", save_s)
@@ -222,7 +235,7 @@ def main() -> None:
         for rnd in range(args.rounds):
             k = rnd % len(MODES)
             for mode in MODES[k:] + MODES[:k]:
-                eng = engines[mode if mode in ("sync", "async_late") else "async"][0]
+                eng = engines[mode if mode in engines else "async"][0]
                 r = streams_window(eng, args, None if mode == "streams" else prefixes, rng,
                                    local=mode == "local")  # fmt: skip
                 runs[mode].append(r)
@@ -262,6 +275,11 @@ def report(res: Results, runs: dict[str, list[dict]], args) -> None:
     for m, v in ttft.items():
         res.figure(f"{m}_arrival_ttft_p50_ms", v * 1e3)
     res.ratio("arrival_ttft_p50_late_vs_arrival", ttft["async_late"], ttft["async"])
+    res.ratio("arrival_ttft_p50_nice5_vs_nice0", ttft["async_nice5"], ttft["async"])
+    res.ratio("tbt_p99_nice0_vs_nice5", med["async"], med["async_nice5"], higher_is_better=False)
+    for m in ("async", "async_nice5"):  # how long a background load of one prefix took
+        loads = sum(r["loads"] for r in runs[m])
+        res.figure(f"{m}_seconds_per_load", sum(r["load_s"] for r in runs[m]) / max(1, loads))
 
 
 if __name__ == "__main__":

@@ -270,3 +270,30 @@ def test_an_id_aborted_twice_during_its_loads_frees_both_loads_blocks(tiny_engin
         gated.gate.set()
         step_until(eng, lambda: not eng.has_work())
         assert settled_usage(eng) == 0
+
+
+@pytest.mark.parametrize("nice", [0, 5])
+def test_background_threads_run_at_the_asked_priority(nice):
+    """The lookup and load threads lower their own CPU priority by ``nice`` (Linux, per
+    thread); 0 leaves them at the caller's."""
+    import os
+
+    from kvpool.engine.connectors.prefetch import PoolView, Prefetcher
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    p = Prefetcher(lambda hashes: [None] * len(hashes), lambda b, i, s: len(b), PoolView(),
+                   nice=nice)  # fmt: skip
+    try:
+        threads = [t for t in p._threads if t.native_id is not None]
+        assert len(threads) == 2
+        deadline = time.monotonic() + 5
+        want = min(base + nice, 19)
+        got = []
+        while time.monotonic() < deadline:
+            got = [os.getpriority(os.PRIO_PROCESS, t.native_id) for t in threads]
+            if got == [want, want]:
+                break
+            time.sleep(0.01)
+        assert got == [want, want]
+    finally:
+        p.close()

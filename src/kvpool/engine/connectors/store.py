@@ -30,7 +30,7 @@ from kvpool.common.hashing import leading_true
 from kvpool.engine.connectors.base import BlockRef, KVConnector
 from kvpool.engine.connectors.direct import DirectReads
 from kvpool.engine.connectors.fetch_policy import PROBE_BLOCKS, FetchPolicy, FetchStats
-from kvpool.engine.connectors.prefetch import PoolView, Prefetcher
+from kvpool.engine.connectors.prefetch import BACKGROUND_NICE, PoolView, Prefetcher
 from kvpool.engine.connectors.saves import Saver
 from kvpool.engine.request import Request
 from kvpool.protocol.kv_object import block_key, header_size, header_tokens, pack_header
@@ -63,7 +63,8 @@ class StoreConnector(KVConnector):
     def __init__(self, client, retry_after_s: float = 5.0, save: bool = True, *,
                  async_load: bool = True, max_loads: int = 8,
                  fetch_policy: bool = True, direct: bool = True,
-                 arrival_lookups: bool = True) -> None:  # fmt: skip
+                 arrival_lookups: bool = True,
+                 load_nice: int = BACKGROUND_NICE) -> None:  # fmt: skip
         self.client = client  # a kvpool.store.StoreClient (thread-safe)
         self.retry_after_s = retry_after_s
         self._save_enabled = save
@@ -80,6 +81,7 @@ class StoreConnector(KVConnector):
         # look a request up when it arrives (``request_arrived``); False: when the scheduler
         # first considers it (the behaviour before; bench_overlap.py compares the two)
         self.arrival_lookups = arrival_lookups
+        self._load_nice = load_nice  # the background threads' nice value (prefetch.py)
         self._use_direct = direct and async_load
         self.direct: DirectReads | None = None  # set at bind (it needs the KV tensor)
         self._direct_jobs: dict[str, object] = {}  # request -> the KV handle it loads from
@@ -111,7 +113,8 @@ class StoreConnector(KVConnector):
         if self.async_load:
             on_loaded = self.policy.observe_load if self.policy is not None else None
             self._prefetch = Prefetcher(self._exists, self._load_now, self.view, self._max_loads,
-                                        on_loaded=on_loaded, probe=self._probe)  # fmt: skip
+                                        on_loaded=on_loaded, probe=self._probe,
+                                        nice=self._load_nice)  # fmt: skip
         if self._save_enabled:
             self._saver = Saver(self._write, self._waited).start()
 
