@@ -26,7 +26,8 @@ MAX_VIEW_ENTRIES = 1 << 20
 MAX_HINTS = 4096  # arrival lookups queued at once
 # The lookup and load threads' default nice value: the engine's own priority. At nice 5 the
 # compute went first and a load took what was left of busy cores: bench_overlap.py measured
-# (21 rounds, 2 cores) the loaded requests' first token 1.40x later for 1.02x better streams.
+# (two 21-round runs, 2 cores) the loaded requests' first token 1.40x and 1.68x later for a
+# streams' TBT p99 only 1.02x and 1.07x better.
 BACKGROUND_NICE = 0
 
 
