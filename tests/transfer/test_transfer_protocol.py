@@ -46,16 +46,21 @@ def test_parse_request_accepts_a_valid_header():
 def test_sendmsg_all_and_recv_exact_with_short_writes():
     a, b = socket.socketpair()
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    a.settimeout(60)  # a stuck send fails the test instead of hanging it
+    b.settimeout(60)
     parts = [os.urandom(n) for n in (1, 100_000, 0, 7, 3_000_000)]
     total = sum(map(len, parts))
-    out = bytearray(total)
-    reader = threading.Thread(target=P.recv_exact, args=(b, memoryview(out)))
+    out, rest = bytearray(total), bytearray(2000)
+    # The reader drains everything the sender writes (with a 4 KiB send buffer, bytes left
+    # unread would block the sender for good): two reads, the second one into its own buffer.
+    reader = threading.Thread(
+        target=lambda: (P.recv_exact(b, memoryview(out)), P.recv_exact(b, memoryview(rest)))
+    )
     reader.start()
     P.sendmsg_all(a, parts + [b"x"] * 2000)  # > 512 buffers: several sendmsg calls
-    reader.join(30)
+    reader.join(60)
+    assert not reader.is_alive()
     assert bytes(out) == b"".join(parts)
-    rest = bytearray(2000)
-    P.recv_exact(b, memoryview(rest))
     assert rest == b"x" * 2000
     a.close()
     with pytest.raises(ConnectionError):
