@@ -61,13 +61,13 @@ def ttft(eng: LLMEngine, prompt: list[int], rng: random.Random) -> float:
     return took
 
 
-LENGTHS = {"short": 33, "long": 1025}  # 2 and 64 full blocks, then one token to compute
+LENGTHS = {"short": 33, "long": 513}  # 2 and 32 full blocks, then one token to compute
 
 
 def fitted(eng: LLMEngine, rng: random.Random) -> LLMEngine:
     """``eng`` after three prompts of new lengths: its step-cost model fits their prefills (and
     an engine with the pool, the second to see them, measures their loads)."""
-    for n in (65, 257, 769):
+    for n in (65, 257, 401):
         ttft(eng, [rng.randrange(1000, 20000) for _ in range(n)], rng)
     return eng
 
@@ -127,7 +127,7 @@ def measure(modes: dict[str, LLMEngine], prompts: dict[str, list[int]],
     pol = auto.connector.policy
     out["model"] = {"prefill_token_s": auto.costs.fit.prefill_token_s,
                     "load_2_blocks_s": pol.loads.predict(2 * pol.block_bytes),
-                    "load_64_blocks_s": pol.loads.predict(64 * pol.block_bytes),
+                    "load_32_blocks_s": pol.loads.predict(32 * pol.block_bytes),
                     "samples": len(pol.loads._samples)}  # fmt: skip
     f = pol.stats
     out["predicted_s"], out["realized_s"] = f.predicted_load_seconds, f.realized_load_seconds

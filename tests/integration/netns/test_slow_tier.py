@@ -1,10 +1,10 @@
 """Fetch only when it pays, across a slow link: the pool on a store host whose link to the
-decode host is shaped (``tc`` token bucket) to four times the rate at which a 1,024-token
-prefix (47 MB) loads as fast as this machine computes it, or to 2.5 times below it, where no
+decode host is shaped (``tc`` token bucket) to four times the rate at which a 512-token
+prefix (24 MB) loads as fast as this machine computes it, or to 2.5 times below it, where no
 prefix loads faster (the break-even rate is measured first: about 27 MB/s on an AVX-512
 Xeon, 6 MB/s on a Zen 1 EPYC, with the link not yet shaped). The policy's time to first
 token is never more than 10 % worse than the better of always loading and always recomputing,
-for a short (2 blocks) and a long (64 blocks) prefix the pool holds. This kernel has no
+for a short (2 blocks) and a long (32 blocks) prefix the pool holds. This kernel has no
 ``netem``, so the link has bandwidth but no added latency: the split by length that a fixed
 per-load cost causes (short recomputed, long loaded) is shown in tests/engine/test_fetch_policy.py
 with a modelled latency. Needs root (CI has it) and the real model."""
