@@ -27,7 +27,7 @@ class _Add:
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     kv_handle: object = None
-    prompt_hashes: list[bytes] | None = None  # from request_arrived: not computed again
+    prompt_hashes: list[bytes] | None = None  # from request_arrived (None: with a KV handle)
 
 
 @dataclass(slots=True)
@@ -143,8 +143,8 @@ class AsyncLLMEngine:
             return
         try:
             self.engine.add_request(item.request_id, item.token_ids, item.params,
-                                    kv_handle=item.kv_handle, announced=True,
-                                    prompt_hashes=item.prompt_hashes)  # fmt: skip
+                                    kv_handle=item.kv_handle,
+                                    prompt_hashes=item.prompt_hashes or [])  # fmt: skip
         except Exception as e:
             item.loop.call_soon_threadsafe(item.sink.put_nowait, e)
             return

@@ -147,15 +147,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         kv_handle: object = None,
-        announced: bool = False,
         prompt_hashes: list[bytes] | None = None,
     ) -> Request:
         """Queue a request; raises BadRequestError if it can never be served. ``kv_handle``:
         where a prefill worker holds the prompt's KV (``protocol.decode.KVHandle``; the
         connector may read it from there). With ``params.n`` > 1 its sequences get the ids
-        ``child_id(request_id, i)``, reserved from now on. ``announced``: the caller already
-        passed the prompt to ``request_arrived``, ``prompt_hashes`` what it returned (the
-        leading block hashes, not computed again)."""
+        ``child_id(request_id, i)``, reserved from now on. ``prompt_hashes``: what
+        ``request_arrived`` returned when the caller already passed it the prompt (the leading
+        block hashes, not computed again); None: this call passes it."""
         params = params or SamplingParams()
         children = [child_id(request_id, i) for i in range(1, params.n)]
         if any(r in self.requests or r in self._child_ids for r in [request_id, *children]):
@@ -166,7 +165,7 @@ class LLMEngine:
             request_id, ids, params, prompt if isinstance(prompt, str) else None, arrival_time
         )
         req.kv_handle = kv_handle
-        if not announced and kv_handle is None:
+        if prompt_hashes is None and kv_handle is None:
             prompt_hashes = self.request_arrived(ids)
         if prompt_hashes:
             req.block_hashes.extend(prompt_hashes)

@@ -139,15 +139,13 @@ class StoreConnector(KVConnector):
     # -- scheduler side (asynchronous) --------------------------------------------------------
 
     def request_arrived(self, block_hashes: list[bytes]) -> None:
-        if self._prefetch is None or not self.arrival_lookups or not block_hashes:
+        p = self._prefetch
+        if p is None or not self.arrival_lookups or not block_hashes or not self.pool_up():
             return
-        if not self.pool_up():
-            return
-        if self.policy is not None and not self.policy.worth_looking_up(
-            len(block_hashes), self._prefetch.backlog_blocks()
-        ):
-            return  # even a full hit would not pay: the scheduler will not look it up either
-        self._prefetch.hint(block_hashes)
+        # not when even a full hit would not pay (the scheduler will not look it up either)
+        if self.policy is None or self.policy.worth_looking_up(len(block_hashes),
+                                                               p.backlog_blocks()):  # fmt: skip
+            p.hint(block_hashes)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
