@@ -38,8 +38,12 @@ def close(eng: LLMEngine) -> None:
 
 
 def finish(eng: LLMEngine) -> None:
+    """Run ``eng`` dry, and wait for its saves: the next engine measured must not share the
+    shaped link with this one's background writes (the stream's blocks)."""
     while eng.has_work():
         eng.step()
+    if isinstance(eng.connector, StoreConnector):
+        assert eng.connector.wait_saved(list(eng.pool.cached_hashes()), 120)
 
 
 def ttft(eng: LLMEngine, prompt: list[int], rng: random.Random) -> float:
