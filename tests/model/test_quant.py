@@ -1,5 +1,7 @@
 """Block-quantized weights (model/quant.py) and the qlinear kernel against float references."""
 
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -68,6 +70,41 @@ def test_qlinear_matches_float_arithmetic_on_the_same_weights(kind, rows, k):
     assert (got - want).abs().max() <= 1e-4 * scale
     portable = kern.qlinear(x, bw.qs, bw.d, bw.m, portable=True)  # the scalar path
     assert (portable - got).abs().max() <= 1e-5 * scale
+    narrow = kern.qlinear(x, bw.qs, bw.d, bw.m, wide=False)  # AVX2 where AVX-512 is built in
+    assert (narrow - got).abs().max() <= 1e-5 * scale
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("k", [32, 96, 1536])  # one block (odd); 3 blocks (odd tail); 48
+def test_qlinear_wide_and_narrow_paths_agree(kind, k):
+    # the AVX-512 path pairs q4 blocks: an odd count ends with a half-filled vector
+    if not kern.has_avx2():
+        pytest.skip("no AVX2 path on this machine: only the scalar path exists")
+    bw = quantize(weights(70, k, 3), kind)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(k))
+    want = x @ bw.dequantize().t()
+    wide = kern.qlinear(x, bw.qs, bw.d, bw.m)
+    narrow = kern.qlinear(x, bw.qs, bw.d, bw.m, wide=False)
+    scale = want.abs().max()
+    assert (wide - want).abs().max() <= 1e-4 * scale
+    assert (wide - narrow).abs().max() <= 1e-5 * scale
+
+
+@needs_kernel
+def test_the_wide_path_is_built_where_the_cpu_has_avx512():
+    # the kernels compile with -march=native: an AVX-512 CPU must get the AVX-512 path
+    flags = set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags to compare with")
+    assert kern.has_avx512() == ({"avx512f", "avx512bw"} <= flags)
+    assert kern.has_avx2() == ({"avx2", "fma"} <= flags)
 
 
 @needs_kernel

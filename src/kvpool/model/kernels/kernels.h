@@ -12,8 +12,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_layer,
 
 // y = x . W^T over 32-block quantized weights; with `out`, y is added to it (qgemm.cpp).
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
-                      c10::optional<torch::Tensor> out, bool portable);
+                      c10::optional<torch::Tensor> out, bool portable, bool wide = true);
 bool has_avx2();
+bool has_avx512();
 
 // A whole decode step of a Llama-family model in one call (decode.cpp).
 class DecodeModel {
