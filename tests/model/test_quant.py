@@ -44,6 +44,9 @@ def test_gguf_blocks_are_taken_exactly(qtype):
     want = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32))
     assert torch.equal(bw.dequantize(), want)
     assert bw.kind == ("q8" if qtype == Q.Q8_0 else "q4")
+    assert bw.d.dtype == torch.float16  # as the file holds them: exact, fewer bytes
+    if qtype != Q.Q4_0:  # Q4_0 has no offsets in the file: m = -8 d is added
+        assert bw.nbytes == raw.nbytes
 
 
 def test_rows_reorder_and_stack():
@@ -89,6 +92,32 @@ def test_qlinear_wide_and_narrow_paths_agree(kind, k):
     scale = want.abs().max()
     assert (wide - want).abs().max() <= 1e-4 * scale
     assert (wide - narrow).abs().max() <= 1e-5 * scale
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("wide", [True, False])
+def test_qlinear_float16_scales_compute_what_their_float32_values_do(kind, wide):
+    # a GGUF's scales stay float16 (fewer bytes per step): the same values as float32 give
+    # the same arithmetic, so the same results to float rounding (the compiler may contract
+    # the two paths' multiplies differently), on every path
+    bw = quantize(weights(45, 160, 4), kind)
+    d16 = bw.d.half()
+    m16 = bw.m.half() if kind == "q4" else bw.m
+    d32, m32 = d16.float(), (m16.float() if kind == "q4" else bw.m)
+    x = torch.randn(5, 160, generator=torch.Generator().manual_seed(5))
+    got = kern.qlinear(x, bw.qs, d16, m16, wide=wide)
+    scale = got.abs().max()
+    assert (got - kern.qlinear(x, bw.qs, d32, m32, wide=wide)).abs().max() <= 1e-6 * scale
+    scalar16 = kern.qlinear(x, bw.qs, d16, m16, portable=True)
+    scalar32 = kern.qlinear(x, bw.qs, d32, m32, portable=True)
+    assert (scalar16 - scalar32).abs().max() <= 1e-6 * scale
+    assert (scalar16 - got).abs().max() <= 1e-5 * scale
+    want = x @ BlockWeights(bw.kind, bw.qs, d32, m32).dequantize().t()
+    assert (got - want).abs().max() <= 1e-4 * scale
+    if kind == "q4":
+        with pytest.raises(RuntimeError, match="m must be"):
+            kern.qlinear(x, bw.qs, d16, m32)  # mixed scale types
 
 
 @needs_kernel

@@ -3,15 +3,16 @@
 Two block formats, the ones GGUF files hold (so a GGUF's own blocks are used as they are):
 
 - ``q4``: per block a scale ``d`` and an offset ``m`` and 32 unsigned nibbles, ``w = d*q + m``
-  (GGUF's Q4_1; Q4_0 maps to it exactly with ``m = -8 d``). 0.625 bytes per weight.
-- ``q8``: per block a scale ``d`` and 32 signed bytes, ``w = d*q`` (GGUF's Q8_0). 1.125 bytes
-  per weight.
+  (GGUF's Q4_1; Q4_0 maps to it exactly with ``m = -8 d``). 0.625 bytes per weight with
+  float16 scales, 0.75 with float32 ones.
+- ``q8``: per block a scale ``d`` and 32 signed bytes, ``w = d*q`` (GGUF's Q8_0). 1.0625 or
+  1.125 bytes per weight.
 
 ``BlockWeights`` holds one matrix in the kernel's layout (``kernels/qgemm.cpp``): ``qs``
 ``[N, K/2]`` (q4: byte j of a block holds element j in its low nibble and j + 16 in its high
-one) or ``[N, K]`` (q8), and float32 ``d`` (and ``m``) ``[N, K/32]``. It is built from a GGUF
-tensor's raw blocks (exact) or from float32 weights (quantized here, the error measured by the
-tests).
+one) or ``[N, K]`` (q8), and ``d`` (and ``m``) ``[N, K/32]``. It is built from a GGUF
+tensor's raw blocks (exact; the scales stay float16, as the file holds them) or from float32
+weights (quantized here, float32 scales; the error measured by the tests).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ GGUF_BLOCKS = {Q.Q4_0: ("q4", 18), Q.Q4_1: ("q4", 20), Q.Q8_0: ("q8", 34)}
 class BlockWeights:
     kind: str  # "q4" | "q8"
     qs: torch.Tensor  # uint8 [N, K/2] (q4) or int8 [N, K] (q8)
-    d: torch.Tensor  # float32 [N, K/32]
-    m: torch.Tensor  # float32 [N, K/32] (q4), empty (q8)
+    d: torch.Tensor  # float32 or float16 [N, K/32]
+    m: torch.Tensor  # like d [N, K/32] (q4), empty (q8)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -56,9 +57,9 @@ class BlockWeights:
         if self.kind == "q4":
             q = self.qs.view(n, k // QK, QK // 2)
             vals = torch.cat([q & 0x0F, q >> 4], dim=2).float()
-            w = vals * self.d[..., None] + self.m[..., None]
+            w = vals * self.d.float()[..., None] + self.m.float()[..., None]
         else:
-            w = self.qs.view(n, k // QK, QK).float() * self.d[..., None]
+            w = self.qs.view(n, k // QK, QK).float() * self.d.float()[..., None]
         return w.reshape(n, k)
 
 
@@ -106,16 +107,22 @@ def from_gguf_blocks(data: np.ndarray, tensor_type: Q) -> BlockWeights:
     raw = np.ascontiguousarray(data, dtype=np.uint8)
     n = raw.shape[0]
     blocks = raw.reshape(n, -1, size)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    # the scales stay float16, as the file holds them: exact, and a q4 block reads 20 bytes
+    # per 32 weights instead of 24
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
     if tensor_type == Q.Q8_0:
         qs = blocks[..., 2:].reshape(n, -1).view(np.int8)
         return BlockWeights("q8", torch.from_numpy(qs.copy()), torch.from_numpy(d),
                             torch.empty(0))  # fmt: skip
     if tensor_type == Q.Q4_1:
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
         qs = blocks[..., 4:]
-    else:  # Q4_0: w = d * (q - 8)
-        m = -8.0 * d
+    else:  # Q4_0: w = d * (q - 8); -8 d is exact in float16 unless it overflows
+        m = -8.0 * d.astype(np.float32)
+        if np.isfinite(m.astype(np.float16)).all():
+            m = m.astype(np.float16)
+        else:
+            d = d.astype(np.float32)
         qs = blocks[..., 2:]
     return BlockWeights(kind, torch.from_numpy(qs.reshape(n, -1).copy()), torch.from_numpy(d),
                         torch.from_numpy(np.ascontiguousarray(m)))  # fmt: skip

@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -68,11 +69,27 @@ QAct quantize_rows(const float* x, int64_t M, int64_t K, int64_t lda) {
 
 struct QWeights {
   const uint8_t* qs;  // q4: [N, K / 2]; q8: [N, K] (int8 bytes)
-  const float* d;     // [N, nb]
-  const float* m;     // [N, nb] (q4 only)
+  const void* d;      // [N, nb] float32, or float16 (a GGUF's own scales, as the file holds them)
+  const void* m;      // [N, nb] (q4 only), d's type
   int64_t N, K, nb;
   bool q4;
+  bool half;  // d and m are float16
 };
+
+// A block scale as float: S is float, or uint16_t holding a float16.
+inline float to_f32(float v) { return v; }
+inline float to_f32(uint16_t v) {
+#if defined(__F16C__)
+  return _cvtsh_ss(v);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(v);
+#endif
+}
+
+template <typename S>
+inline const S* scales(const void* p, int64_t offset) {
+  return static_cast<const S*>(p) + offset;
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 inline float hsum(__m256 v) {
@@ -106,9 +123,23 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
   return v;
 }
 
+// sum(m[i] * s[i]): the q4 offset term of one weight row against one activation row
+inline float dot_scales(const float* m, const float* s, int64_t n) { return dot_f32(m, s, n); }
+inline float dot_scales(const uint16_t* m, const float* s, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    acc = _mm256_fmadd_ps(
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + i))),
+        _mm256_loadu_ps(s + i), acc);
+  float v = hsum(acc);
+  for (; i < n; ++i) v += to_f32(m[i]) * s[i];
+  return v;
+}
+
 // NT weight rows x MT activation rows: NT * MT accumulators of 8 lanes. Pairs of int16
 // products sum into int32 (vpmaddwd): |q| <= 127 and |qx| <= 32767, so nothing overflows.
-template <bool Q4, int NT, int MT>
+template <bool Q4, typename S, int NT, int MT>
 void tile(const QWeights& w, const QAct& a, int64_t n0, int64_t m0, float* y, int64_t ldy,
           bool accumulate) {
   __m256 acc[NT][MT];
@@ -126,7 +157,7 @@ void tile(const QWeights& w, const QAct& a, int64_t n0, int64_t m0, float* y, in
     }
     for (int i = 0; i < NT; ++i) {
       const int64_t n = n0 + i;
-      const float wd = w.d[n * nb + b];
+      const float wd = to_f32(*scales<S>(w.d, n * nb + b));
       __m256i wlo, whi;
       if constexpr (Q4) {
         q4_block(w.qs + n * (K / 2) + b * (QK / 2), wlo, whi);
@@ -144,7 +175,7 @@ void tile(const QWeights& w, const QAct& a, int64_t n0, int64_t m0, float* y, in
     const int64_t n = n0 + i;
     for (int j = 0; j < MT; ++j) {
       float v = hsum(acc[i][j]);
-      if constexpr (Q4) v += dot_f32(w.m + n * nb, a.s.data() + (m0 + j) * nb, nb);
+      if constexpr (Q4) v += dot_scales(scales<S>(w.m, n * nb), a.s.data() + (m0 + j) * nb, nb);
       float* out = y + (m0 + j) * ldy + n;
       *out = accumulate ? *out + v : v;
     }
@@ -166,20 +197,27 @@ inline __m512i pair_dot(__m512i a0, __m512i b0, __m512i a1, __m512i b1) {
 }
 
 // Two adjacent float scales (blocks b and b + 1) spread over lanes 0-7 and 8-15.
-inline __m512 two_scales(const float* p) {
+inline __m512 spread_two(__m128 v) {
   const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m128 v = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
   return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v));
 }
+inline __m512 two_scales(const float* p) {
+  return spread_two(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))));
+}
+inline __m512 two_scales(const uint16_t* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return spread_two(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
+}
 
-template <int NT, int MT>
+template <typename S, int NT, int MT>
 void finish512(const QWeights& w, const QAct& a, __m512 (&acc)[NT][MT], int64_t n0, int64_t m0,
                float* y, int64_t ldy, bool accumulate) {
   for (int i = 0; i < NT; ++i) {
     const int64_t n = n0 + i;
     for (int j = 0; j < MT; ++j) {
       float v = _mm512_reduce_add_ps(acc[i][j]);
-      if (w.q4) v += dot_f32(w.m + n * w.nb, a.s.data() + (m0 + j) * w.nb, w.nb);
+      if (w.q4) v += dot_scales(scales<S>(w.m, n * w.nb), a.s.data() + (m0 + j) * w.nb, w.nb);
       float* out = y + (m0 + j) * ldy + n;
       *out = accumulate ? *out + v : v;
     }
@@ -189,7 +227,7 @@ void finish512(const QWeights& w, const QAct& a, __m512 (&acc)[NT][MT], int64_t 
 // q4: blocks b and b + 1 at once. Their 32 nibble bytes widen to one zmm of int16 (lanes 0-15:
 // block b's bytes, 16-31: block b + 1's); the low nibbles are elements 0-15 of each block, the
 // high ones 16-31, so the activations are regrouped the same way (two 128-bit-lane shuffles).
-template <int NT, int MT>
+template <typename S, int NT, int MT>
 void tile512_q4(const QWeights& w, const QAct& a, int64_t n0, int64_t m0, float* y, int64_t ldy,
                 bool accumulate) {
   __m512 acc[NT][MT];
@@ -213,7 +251,7 @@ void tile512_q4(const QWeights& w, const QAct& a, int64_t n0, int64_t m0, float*
       const __m512i bytes = _mm512_cvtepu8_epi16(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + n * (K / 2) + b * (QK / 2))));
       const __m512i wlo = _mm512_and_si512(bytes, low), whi = _mm512_srli_epi16(bytes, 4);
-      const __m512 wd = two_scales(w.d + n * nb + b);
+      const __m512 wd = two_scales(scales<S>(w.d, n * nb + b));
       for (int j = 0; j < MT; ++j) {
         const __m512i p = pair_dot(wlo, xlo[j], whi, xhi[j]);
         acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(wd, xd[j]), acc[i][j]);
@@ -234,16 +272,16 @@ void tile512_q4(const QWeights& w, const QAct& a, int64_t n0, int64_t m0, float*
       const __m512i wlo = _mm512_and_si512(bytes, low), whi = _mm512_srli_epi16(bytes, 4);
       for (int j = 0; j < MT; ++j) {
         const __m512i p = pair_dot(wlo, xlo[j], whi, xhi[j]);
-        const float s = w.d[n * nb + b] * a.d[(m0 + j) * nb + b];
+        const float s = to_f32(*scales<S>(w.d, n * nb + b)) * a.d[(m0 + j) * nb + b];
         acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(s), acc[i][j]);
       }
     }
   }
-  finish512<NT, MT>(w, a, acc, n0, m0, y, ldy, accumulate);
+  finish512<S, NT, MT>(w, a, acc, n0, m0, y, ldy, accumulate);
 }
 
 // q8: one block per zmm, weights and activations in their natural order.
-template <int NT, int MT>
+template <typename S, int NT, int MT>
 void tile512_q8(const QWeights& w, const QAct& a, int64_t n0, int64_t m0, float* y, int64_t ldy,
                 bool accumulate) {
   __m512 acc[NT][MT];
@@ -262,7 +300,7 @@ void tile512_q8(const QWeights& w, const QAct& a, int64_t n0, int64_t m0, float*
       const int64_t n = n0 + i;
       const __m512i wv = _mm512_cvtepi8_epi16(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + n * K + b * QK)));
-      const __m512 wd = _mm512_set1_ps(w.d[n * nb + b]);
+      const __m512 wd = _mm512_set1_ps(to_f32(*scales<S>(w.d, n * nb + b)));
       for (int j = 0; j < MT; ++j) {
 #if defined(__AVX512VNNI__)
         const __m512i p = _mm512_dpwssd_epi32(zero, wv, x[j]);
@@ -274,16 +312,16 @@ void tile512_q8(const QWeights& w, const QAct& a, int64_t n0, int64_t m0, float*
     }
   }
   (void)zero;
-  finish512<NT, MT>(w, a, acc, n0, m0, y, ldy, accumulate);
+  finish512<S, NT, MT>(w, a, acc, n0, m0, y, ldy, accumulate);
 }
 
-template <bool Q4, int NT, int MT>
+template <bool Q4, typename S, int NT, int MT>
 void tile512(const QWeights& w, const QAct& a, int64_t n0, int64_t m0, float* y, int64_t ldy,
              bool accumulate) {
   if constexpr (Q4) {
-    tile512_q4<NT, MT>(w, a, n0, m0, y, ldy, accumulate);
+    tile512_q4<S, NT, MT>(w, a, n0, m0, y, ldy, accumulate);
   } else {
-    tile512_q8<NT, MT>(w, a, n0, m0, y, ldy, accumulate);
+    tile512_q8<S, NT, MT>(w, a, n0, m0, y, ldy, accumulate);
   }
 }
 #endif
@@ -304,31 +342,49 @@ float dot_scalar(const QWeights& w, const QAct& a, int64_t n, int64_t m) {
       }
       sum += q * xq[i];
     }
-    v += w.d[n * w.nb + b] * a.d[m * w.nb + b] * static_cast<float>(sum);
-    if (w.q4) v += w.m[n * w.nb + b] * a.s[m * w.nb + b];
+    const int64_t at = n * w.nb + b;
+    const float wd = w.half ? to_f32(*scales<uint16_t>(w.d, at)) : *scales<float>(w.d, at);
+    v += wd * a.d[m * w.nb + b] * static_cast<float>(sum);
+    if (w.q4) {
+      const float wm = w.half ? to_f32(*scales<uint16_t>(w.m, at)) : *scales<float>(w.m, at);
+      v += wm * a.s[m * w.nb + b];
+    }
   }
   return v;
 }
 
-template <bool Q4, int NT>
+template <bool Q4, typename S, int NT>
 void rows_avx2(const QWeights& w, const QAct& a, int64_t n0, int64_t M, float* y, int64_t ldy,
                bool acc, bool wide) {
 #if defined(KVPOOL_QGEMM_AVX512)
   if (wide) {
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) tile512<Q4, NT, 4>(w, a, n0, m, y, ldy, acc);
-    for (; m + 2 <= M; m += 2) tile512<Q4, NT, 2>(w, a, n0, m, y, ldy, acc);
-    for (; m < M; ++m) tile512<Q4, NT, 1>(w, a, n0, m, y, ldy, acc);
+    for (; m + 4 <= M; m += 4) tile512<Q4, S, NT, 4>(w, a, n0, m, y, ldy, acc);
+    for (; m + 2 <= M; m += 2) tile512<Q4, S, NT, 2>(w, a, n0, m, y, ldy, acc);
+    for (; m < M; ++m) tile512<Q4, S, NT, 1>(w, a, n0, m, y, ldy, acc);
     return;
   }
 #endif
   (void)wide;
 #if defined(__AVX2__) && defined(__FMA__)
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile<Q4, NT, 4>(w, a, n0, m, y, ldy, acc);
-  for (; m + 2 <= M; m += 2) tile<Q4, NT, 2>(w, a, n0, m, y, ldy, acc);
-  for (; m < M; ++m) tile<Q4, NT, 1>(w, a, n0, m, y, ldy, acc);
+  for (; m + 4 <= M; m += 4) tile<Q4, S, NT, 4>(w, a, n0, m, y, ldy, acc);
+  for (; m + 2 <= M; m += 2) tile<Q4, S, NT, 2>(w, a, n0, m, y, ldy, acc);
+  for (; m < M; ++m) tile<Q4, S, NT, 1>(w, a, n0, m, y, ldy, acc);
 #endif
+}
+
+// The rows' kernel for the weights' kind (q4 / q8) and scale type (float32 / float16).
+template <int NT>
+void rows(const QWeights& w, const QAct& a, int64_t n0, int64_t M, float* y, bool acc,
+          bool wide) {
+  if (w.q4) {
+    w.half ? rows_avx2<true, uint16_t, NT>(w, a, n0, M, y, w.N, acc, wide)
+           : rows_avx2<true, float, NT>(w, a, n0, M, y, w.N, acc, wide);
+  } else {
+    w.half ? rows_avx2<false, uint16_t, NT>(w, a, n0, M, y, w.N, acc, wide)
+           : rows_avx2<false, float, NT>(w, a, n0, M, y, w.N, acc, wide);
+  }
 }
 
 void run(const QWeights& w, const QAct& a, int64_t M, float* y, bool acc, bool portable,
@@ -342,12 +398,9 @@ void run(const QWeights& w, const QAct& a, int64_t M, float* y, bool acc, bool p
 #if defined(__AVX2__) && defined(__FMA__)
       if (!portable) {
         if (nt == 4) {
-          w.q4 ? rows_avx2<true, 4>(w, a, n0, M, y, w.N, acc, wide)
-               : rows_avx2<false, 4>(w, a, n0, M, y, w.N, acc, wide);
+          rows<4>(w, a, n0, M, y, acc, wide);
         } else {
-          for (int64_t n = n0; n < n0 + nt; ++n)
-            w.q4 ? rows_avx2<true, 1>(w, a, n, M, y, w.N, acc, wide)
-                 : rows_avx2<false, 1>(w, a, n, M, y, w.N, acc, wide);
+          for (int64_t n = n0; n < n0 + nt; ++n) rows<1>(w, a, n, M, y, acc, wide);
         }
         continue;
       }
@@ -374,14 +427,15 @@ QWeights check(const torch::Tensor& x, const torch::Tensor& qs, const torch::Ten
   const int64_t N = qs.size(0), nb = K / QK;
   const bool q4 = m.numel() > 0;
   TORCH_CHECK(qs.size(1) == (q4 ? K / 2 : K), "qs has the wrong width for K");
-  TORCH_CHECK(d.scalar_type() == torch::kFloat && d.is_contiguous() && d.dim() == 2 &&
+  const bool half = d.scalar_type() == torch::kHalf;
+  TORCH_CHECK((half || d.scalar_type() == torch::kFloat) && d.is_contiguous() && d.dim() == 2 &&
                   d.size(0) == N && d.size(1) == nb,
-              "d must be a contiguous float32 [N, K/32] tensor");
-  TORCH_CHECK(!q4 || (m.scalar_type() == torch::kFloat && m.is_contiguous() &&
+              "d must be a contiguous float32 or float16 [N, K/32] tensor");
+  TORCH_CHECK(!q4 || (m.scalar_type() == d.scalar_type() && m.is_contiguous() &&
                       m.sizes() == d.sizes()),
               "m must be empty (q8) or like d (q4)");
-  return QWeights{static_cast<const uint8_t*>(qs.data_ptr()),
-                  d.data_ptr<float>(), q4 ? m.data_ptr<float>() : nullptr, N, K, nb, q4};
+  return QWeights{static_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr(),
+                  q4 ? m.data_ptr() : nullptr, N, K, nb, q4, half};
 }
 
 }  // namespace
