@@ -210,6 +210,12 @@ inline __m512 two_scales(const uint16_t* p) {
   return spread_two(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
 }
 
+template <int NT, int MT>
+inline void zero_all(__m512 (&acc)[NT][MT]) {
+  for (int i = 0; i < NT; ++i)
+    for (int j = 0; j < MT; ++j) acc[i][j] = _mm512_setzero_ps();
+}
+
 template <typename S, int NT, int MT>
 void finish512(const QWeights& w, const QAct& a, __m512 (&acc)[NT][MT], int64_t n0, int64_t m0,
                float* y, int64_t ldy, bool accumulate) {
@@ -231,8 +237,7 @@ template <typename S, int NT, int MT>
 void tile512_q4(const QWeights& w, const QAct& a, int64_t n0, int64_t m0, float* y, int64_t ldy,
                 bool accumulate) {
   __m512 acc[NT][MT];
-  for (int i = 0; i < NT; ++i)
-    for (int j = 0; j < MT; ++j) acc[i][j] = _mm512_setzero_ps();
+  zero_all(acc);
   const int64_t K = w.K, nb = w.nb;
   const __m512i low = _mm512_set1_epi16(0x0F);
   int64_t b = 0;
@@ -285,8 +290,7 @@ template <typename S, int NT, int MT>
 void tile512_q8(const QWeights& w, const QAct& a, int64_t n0, int64_t m0, float* y, int64_t ldy,
                 bool accumulate) {
   __m512 acc[NT][MT];
-  for (int i = 0; i < NT; ++i)
-    for (int j = 0; j < MT; ++j) acc[i][j] = _mm512_setzero_ps();
+  zero_all(acc);
   const int64_t K = w.K, nb = w.nb;
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t b = 0; b < nb; ++b) {
