@@ -24,11 +24,15 @@ def case(dtype, batch=5, heads=6, kv_heads=2, d=16, bs=4, layers=3, blocks=40, s
     return q, cache[:, 1], table, lens, mask
 
 
-@pytest.mark.parametrize("batch", [1, 5])  # one task per KV head / per sequence
+# batch 1: a sequence cut into chunks merged by their softmax states; 5 and 40: fewer or one
+# chunk per sequence. Head size 16 runs the portable passes, 64 and 128 the AVX-512 ones
+# (where the CPU has them).
+@pytest.mark.parametrize("batch", [1, 5, 40])
+@pytest.mark.parametrize("d", [16, 64, 128])
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_kernel_matches_reference(dtype, tol, batch):
+def test_kernel_matches_reference(dtype, tol, batch, d):
     for seed in range(3):
-        q, layer, table, lens, mask = case(dtype, batch=batch, seed=seed)
+        q, layer, table, lens, mask = case(dtype, batch=batch, d=d, seed=seed, blocks=400)
         want = _decode_attention(q, layer, table, mask).float()
         got = kern.paged_decode_attention(q, layer, table, lens, q.shape[-1] ** -0.5).float()
         assert torch.allclose(got, want, atol=tol, rtol=tol), (got - want).abs().max()

@@ -1,8 +1,13 @@
 // Decode attention straight over the paged, block-major KV cache (no gather copy).
 //
-// One query token per sequence. Each (sequence, KV head) pair is one task: the task reads the
-// sequence's keys and values block by block where they lie in the cache, once each, for all
-// query heads of its group (GQA), so shared prefix blocks stay hot in cache across sequences.
+// One query token per sequence. A task is every query head of one sequence against a chunk of
+// its cached tokens (whole blocks), all KV heads at once (GQA: each KV head serves its group
+// of query heads). A sequence is cut into several chunks when there are few sequences, so one
+// long sequence still keeps every thread busy; its chunks' softmax states (max score, sum of
+// exponentials, weighted value sum) are merged at the end, as split-K / flash-decoding does.
+// Where the CPU has AVX-512 and the head size is 64 or 128, the passes keep a query row (or a
+// value accumulator) in registers and reduce four tokens' dot products together; elsewhere
+// portable loops that the compiler vectorizes compute the same sums.
 //
 // An int8 cache (kv_cache_dtype="int8", model/kv_quant.py) holds each token's head as D signed
 // bytes then its float32 scale (4 bytes): a key's score is scale * (q . k), a value's weight
@@ -59,84 +64,227 @@ struct Shape {
   float scale;
 };
 
-// Scores of `heads` consecutive KV heads' query groups (rows ordered head, then group) against
-// every cached key of one sequence. With all heads in one task, each token's contiguous
-// [Hkv, D] key row is read once, front to back.
-template <typename T>
-void task_scores(const float* qf, const T* kv, const int64_t* blocks, int64_t len, int64_t h0,
-                 int64_t heads, int64_t group, const Shape& s, float* scores) {
-  const int64_t d = s.head_dim;
-  for (int64_t t0 = 0, j = 0; t0 < len; t0 += s.block_size, ++j) {
-    const T* kb = kv + blocks[j] * s.s_block + h0 * s.s_head;
-    const int64_t n = std::min(s.block_size, len - t0);
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t hh = 0; hh < heads; ++hh) {
-        const T* k = kb + t * s.s_tok + hh * s.s_head;
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t r = hh * group + g;
-          scores[r * len + t0 + t] = dot(qf + r * d, k, d) * row_scale(k, d);
-        }
+// Where the cached rows of token i (of the chunk's sequence) start: keys; values are s_kv on.
+template <typename KV>
+inline const KV* token_row(const KV* kv, const int64_t* blocks, int64_t i, const Shape& s) {
+  return kv + blocks[i / s.block_size] * s.s_block + (i % s.block_size) * s.s_tok;
+}
+
+// Portable passes (any dtype, any head size): scores[r, i - t0] = q_r . k_i, then
+// acc_r += p[r, i - t0] * v_i, one token's [Hkv, D] row at a time.
+template <typename KV>
+void scores_pass(const float* qf, const KV* kv, const int64_t* blocks, int64_t t0, int64_t t1,
+                 const Shape& s, float* scores) {
+  const int64_t d = s.head_dim, group = s.q_heads / s.kv_heads, n = t1 - t0;
+  for (int64_t i = t0; i < t1; ++i) {
+    const KV* row = token_row(kv, blocks, i, s);
+    for (int64_t hh = 0; hh < s.kv_heads; ++hh) {
+      const KV* k = row + hh * s.s_head;
+      const float ks = row_scale(k, d);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = hh * group + g;
+        scores[r * n + i - t0] = dot(qf + r * d, k, d) * ks;
       }
+    }
   }
 }
 
-// Softmax of each row in place.
-inline void softmax_rows(float* scores, int64_t rows, int64_t len) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float* row = scores + r * len;
-    const float m = *std::max_element(row, row + len);
+template <typename KV>
+void values_pass(const float* probs, const KV* kv, const int64_t* blocks, int64_t t0,
+                 int64_t t1, const Shape& s, float* acc) {
+  const int64_t d = s.head_dim, group = s.q_heads / s.kv_heads, n = t1 - t0;
+  for (int64_t i = t0; i < t1; ++i) {
+    const KV* row = token_row(kv, blocks, i, s) + s.s_kv;
+    for (int64_t hh = 0; hh < s.kv_heads; ++hh) {
+      const KV* v = row + hh * s.s_head;
+      const float vs = row_scale(v, d);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = hh * group + g;
+        axpy(probs[r * n + i - t0] * vs, v, acc + r * d, d);
+      }
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// AVX-512 passes for float32 or int8 rows of DC * 16 elements: a query row stays in registers
+// while the keys stream past, four tokens' dot products reduce together (one shuffle tree for
+// four sums instead of one each), and a row's accumulators stay in registers over a block.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline __m256 halves(__m512 v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+// The horizontal sums of four vectors, in order.
+inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(halves(a), halves(b)),
+                                     _mm256_hadd_ps(halves(c), halves(d)));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+template <int DC, typename KV>
+void scores_pass512(const float* qf, const KV* kv, const int64_t* blocks, int64_t t0,
+                    int64_t t1, const Shape& s, float* scores) {
+  const int64_t d = s.head_dim, group = s.q_heads / s.kv_heads, n = t1 - t0;
+  for (int64_t hh = 0; hh < s.kv_heads; ++hh)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = hh * group + g;
+      __m512 q[DC];
+      for (int c = 0; c < DC; ++c) q[c] = _mm512_loadu_ps(qf + r * d + 16 * c);
+      float* out = scores + r * n - t0;
+      int64_t i = t0;
+      for (; i + 4 <= t1; i += 4) {
+        const KV* k[4];
+        __m512 acc[4];
+        for (int u = 0; u < 4; ++u) {
+          k[u] = token_row(kv, blocks, i + u, s) + hh * s.s_head;
+          acc[u] = _mm512_mul_ps(q[0], load16(k[u]));
+        }
+        for (int c = 1; c < DC; ++c)
+          for (int u = 0; u < 4; ++u) acc[u] = _mm512_fmadd_ps(q[c], load16(k[u] + 16 * c), acc[u]);
+        __m128 sums = hsum4(acc[0], acc[1], acc[2], acc[3]);
+        if constexpr (std::is_same_v<KV, int8_t>)
+          sums = _mm_mul_ps(sums, _mm_setr_ps(row_scale(k[0], d), row_scale(k[1], d),
+                                              row_scale(k[2], d), row_scale(k[3], d)));
+        _mm_storeu_ps(out + i, sums);
+      }
+      for (; i < t1; ++i) {
+        const KV* k = token_row(kv, blocks, i, s) + hh * s.s_head;
+        __m512 acc = _mm512_mul_ps(q[0], load16(k));
+        for (int c = 1; c < DC; ++c) acc = _mm512_fmadd_ps(q[c], load16(k + 16 * c), acc);
+        out[i] = _mm512_reduce_add_ps(acc) * row_scale(k, d);
+      }
+    }
+}
+
+template <int DC, typename KV>
+void values_pass512(const float* probs, const KV* kv, const int64_t* blocks, int64_t t0,
+                    int64_t t1, const Shape& s, float* acc_out) {
+  const int64_t d = s.head_dim, group = s.q_heads / s.kv_heads, n = t1 - t0;
+  for (int64_t hh = 0; hh < s.kv_heads; ++hh)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = hh * group + g;
+      __m512 acc[DC];
+      for (int c = 0; c < DC; ++c) acc[c] = _mm512_setzero_ps();
+      const float* p = probs + r * n - t0;
+      for (int64_t i = t0; i < t1; ++i) {
+        const KV* v = token_row(kv, blocks, i, s) + s.s_kv + hh * s.s_head;
+        const __m512 w = _mm512_set1_ps(p[i] * row_scale(v, d));
+        for (int c = 0; c < DC; ++c) acc[c] = _mm512_fmadd_ps(w, load16(v + 16 * c), acc[c]);
+      }
+      for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc_out + r * d + 16 * c, acc[c]);
+    }
+}
+#endif
+
+// Both passes over tokens [t0, t1) of one sequence, the wide ones where they apply.
+template <typename KV>
+void passes(const float* qf, const KV* kv, const int64_t* blocks, int64_t t0, int64_t t1,
+            const Shape& s, float* scores, float* acc, bool values) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<KV, float> || std::is_same_v<KV, int8_t>) {
+    if (s.head_dim == 64 || s.head_dim == 128) {
+      if (s.head_dim == 64) {
+        values ? values_pass512<4>(scores, kv, blocks, t0, t1, s, acc)
+               : scores_pass512<4>(qf, kv, blocks, t0, t1, s, scores);
+      } else {
+        values ? values_pass512<8>(scores, kv, blocks, t0, t1, s, acc)
+               : scores_pass512<8>(qf, kv, blocks, t0, t1, s, scores);
+      }
+      return;
+    }
+  }
+#endif
+  if (values) {
+    std::fill(acc, acc + s.q_heads * s.head_dim, 0.f);
+    values_pass(scores, kv, blocks, t0, t1, s, acc);
+  } else {
+    scores_pass(qf, kv, blocks, t0, t1, s, scores);
+  }
+}
+
+// One task: every query head of one sequence against its cached tokens [t0, t1), all KV heads
+// at once. Leaves the chunk's softmax state: per query row its max score `mx`, the sum of
+// exp(score - mx) `l`, and the sum of exp(score - mx) * value `acc` (unnormalized).
+template <typename KV>
+void chunk(const float* qf, const KV* kv, const int64_t* blocks, int64_t t0, int64_t t1,
+           const Shape& s, float* scores, float* mx, float* l, float* acc) {
+  const int64_t n = t1 - t0;
+  passes(qf, kv, blocks, t0, t1, s, scores, acc, false);
+  for (int64_t r = 0; r < s.q_heads; ++r) {
+    float* row = scores + r * n;
+    const float m = *std::max_element(row, row + n);
     float sum = 0.f;
     // vectorized through glibc's libmvec (-ffast-math declares its SIMD expf)
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
-      row[t] = std::exp(row[t] - m);
-      sum += row[t];
+    for (int64_t i = 0; i < n; ++i) {
+      row[i] = std::exp(row[i] - m);
+      sum += row[i];
     }
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < len; ++t) row[t] *= inv;
+    mx[r] = m;
+    l[r] = sum;
   }
+  passes(qf, kv, blocks, t0, t1, s, scores, acc, true);
 }
 
-template <typename T>
-void task_values(const float* probs, const T* kv, const int64_t* blocks, int64_t len,
-                 int64_t h0, int64_t heads, int64_t group, const Shape& s, float* acc) {
-  const int64_t d = s.head_dim;
-  for (int64_t t0 = 0, j = 0; t0 < len; t0 += s.block_size, ++j) {
-    const T* vb = kv + blocks[j] * s.s_block + s.s_kv + h0 * s.s_head;
-    const int64_t n = std::min(s.block_size, len - t0);
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t hh = 0; hh < heads; ++hh)
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t r = hh * group + g;
-          const T* v = vb + t * s.s_tok + hh * s.s_head;
-          axpy(probs[r * len + t0 + t] * row_scale(v, d), v, acc + r * d, d);
-        }
-  }
-}
-
+// Work split: a sequence's tokens are cut into chunks of whole blocks so that there are a few
+// tasks per thread even for one sequence (at batch 1 a single task would leave every other
+// core idle); chunks of one sequence are merged by their softmax states (max-rescaled sums).
 template <typename T, typename KV>
 void decode(const T* q, const KV* kv, const int64_t* table, const int64_t* lens, T* out,
             const Shape& s) {
-  const int64_t group = s.q_heads / s.kv_heads, d = s.head_dim;
-  // A task is a whole sequence when there are enough of them to keep every thread busy
-  // (streams its KV rows), else one (sequence, KV head) pair.
-  const int64_t heads = s.batch >= 2 * at::get_num_threads() ? s.kv_heads : 1;
-  const int64_t per_seq = s.kv_heads / heads, rows = heads * group;
-  at::parallel_for(0, s.batch * per_seq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(rows * d), acc(rows * d), scores;
+  const int64_t d = s.head_dim, rows = s.q_heads, threads = at::get_num_threads();
+  int64_t total_blocks = 0;
+  for (int64_t b = 0; b < s.batch; ++b) total_blocks += (lens[b] + s.block_size - 1) / s.block_size;
+  const int64_t per_task = std::max<int64_t>(1, total_blocks / (4 * threads));  // blocks
+  std::vector<int64_t> first(s.batch + 1, 0);  // tasks of sequence b: [first[b], first[b + 1])
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int64_t nblk = (lens[b] + s.block_size - 1) / s.block_size;
+    first[b + 1] = first[b] + (nblk + per_task - 1) / per_task;
+  }
+  const int64_t tasks = first[s.batch], state = rows * (d + 2);
+  std::vector<float> states(tasks * state);  // per task: mx[rows], l[rows], acc[rows, d]
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(rows * d), scores;
+    int64_t b = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / per_seq, h0 = (task % per_seq) * heads, len = lens[b];
-      const int64_t* blocks = table + b * s.max_blocks;
-      const int64_t first = (b * s.q_heads + h0 * group) * d;  // q/out rows are contiguous
-      for (int64_t i = 0; i < rows * d; ++i) qf[i] = static_cast<float>(q[first + i]) * s.scale;
-      scores.resize(rows * len);
-      task_scores(qf.data(), kv, blocks, len, h0, heads, group, s, scores.data());
-      softmax_rows(scores.data(), rows, len);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      task_values(scores.data(), kv, blocks, len, h0, heads, group, s, acc.data());
-      for (int64_t i = 0; i < rows * d; ++i) out[first + i] = static_cast<T>(acc[i]);
+      while (task >= first[b + 1]) ++b;
+      const int64_t t0 = (task - first[b]) * per_task * s.block_size;
+      const int64_t t1 = std::min(lens[b], t0 + per_task * s.block_size);
+      for (int64_t i = 0; i < rows * d; ++i) qf[i] = static_cast<float>(q[b * rows * d + i]) * s.scale;
+      scores.resize(rows * (t1 - t0));
+      float* st = states.data() + task * state;
+      chunk(qf.data(), kv, table + b * s.max_blocks, t0, t1, s, scores.data(), st, st + rows,
+            st + 2 * rows);
+      if (first[b + 1] - first[b] == 1)  // the whole sequence: normalize in place
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t i = 0; i < d; ++i)
+            out[(b * rows + r) * d + i] = static_cast<T>(st[2 * rows + r * d + i] / st[rows + r]);
     }
   });
+  // merge the chunks of cut sequences (few: cutting only happens when sequences are few):
+  // out = sum_c e^(mx_c - M) acc_c / sum_c e^(mx_c - M) l_c
+  std::vector<float> acc(d);
+  for (int64_t b = 0; b < s.batch; ++b)
+    for (int64_t r = 0; first[b + 1] - first[b] > 1 && r < rows; ++r) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t c = first[b]; c < first[b + 1]; ++c) m = std::max(m, states[c * state + r]);
+      float l = 0.f;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t c = first[b]; c < first[b + 1]; ++c) {
+        const float* st = states.data() + c * state;
+        const float w = std::exp(st[r] - m);
+        l += w * st[rows + r];
+        axpy(w, st + 2 * rows + r * d, acc.data(), d);
+      }
+      T* o = out + (b * rows + r) * d;
+      for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(acc[i] / l);
+    }
 }
 
 }  // namespace
