@@ -147,3 +147,14 @@ def test_small_rows_is_measured_once_and_cached(tmp_path, monkeypatch):
 @needs_kernel
 def test_measure_small_rows_returns_a_tried_batch_size():
     assert autotune.measure_small_rows(kern, "q8", 64, 96) in (0, *autotune.ROWS)
+
+
+def test_cached_measurements_are_keyed_by_the_cpu_not_just_its_name():
+    zen1 = "processor\t: 0\nmodel name\t: AMD EPYC\ncpu family\t: 23\nmodel\t: 1\nstepping\t: 2\n" \
+        "flags\t\t: fpu sse avx2 fma\n\nprocessor\t: 1\nmodel name\t: other\n"  # fmt: skip
+    zen4 = zen1.replace("23", "25").replace("avx2 fma", "avx2 fma avx512f avx512bw")
+    assert autotune.cpu_id(zen1) != autotune.cpu_id(zen4)
+    assert autotune.cpu_id(zen1) == autotune.cpu_id(zen1)
+    assert autotune.cpu_id(zen1).startswith("AMD EPYC|f23-m1-s2|")
+    same_but_flags = zen1.replace("avx2 fma", "avx2")
+    assert autotune.cpu_id(same_but_flags) != autotune.cpu_id(zen1)

@@ -9,6 +9,7 @@ shapes (``KVPOOL_SMALL_ROWS`` overrides the measured limit).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -38,8 +39,30 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_id(cpuinfo: str | None = None) -> str:
+    """The CPU as cache keys name it (from ``/proc/cpuinfo``, or the text given): its model
+    name is not enough (the same "AMD EPYC" is a Zen 1 with AVX2 on one machine and a Zen 4
+    with AVX-512 on the next), so family, model, stepping and a digest of the feature flags
+    go with it."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor is enough
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    flags = hashlib.sha256(fields.get("flags", "").encode()).hexdigest()[:8]
+    return (f"{name}|f{fields.get('cpu family', '?')}-m{fields.get('model', '?')}"
+            f"-s{fields.get('stepping', '?')}|{flags}")  # fmt: skip
+
+
 def _key(kind: str, k: int, n: int) -> str:
-    return f"{cpu_name()}|torch-{torch.__version__}|t{torch.get_num_threads()}|{kind}|{k}x{n}"
+    return f"{cpu_id()}|torch-{torch.__version__}|t{torch.get_num_threads()}|{kind}|{k}x{n}"
 
 
 def best_time(fn, reps: int = 3) -> float:
@@ -53,17 +76,37 @@ def best_time(fn, reps: int = 3) -> float:
     return best
 
 
+STREAM_BYTES = 64 * 2**20  # more than a server CPU's last-level cache slice holds
+
+
 def measure_small_rows(kernels: ModuleType, kind: str, k: int, n: int) -> int:
     """The largest batch in ``ROWS`` up to which the block kernel is faster than BLAS for a
-    ``[n, k]`` matrix of ``kind`` blocks (0 if it never is)."""
+    ``[n, k]`` matrix of ``kind`` blocks (0 if it never is).
+
+    A decode step reads every layer's weights once, from memory (a model's weights do not
+    stay in cache between steps), so both sides are timed the same way: each call takes the
+    next of enough copies of the matrix that the one it reads was evicted since its last use."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=g) * 0.02
-    bw, w_t = quantize(w, kind), w.t().contiguous()
+    copies = max(1, min(16, -(-STREAM_BYTES // (4 * n * k))))
+    dense_copies = [w.t().contiguous() for _ in range(copies)]
+    block_copies = [quantize(w, kind) for _ in range(copies)]
+    turn = [0]
+
+    def next_copy(pool: list):
+        turn[0] += 1
+        return pool[turn[0] % len(pool)]
+
     limit = 0
     for rows in ROWS:
         x = torch.randn(rows, k, generator=g)
-        blocks = best_time(lambda x=x: kernels.qlinear(x, bw.qs, bw.d, bw.m))
-        dense = best_time(lambda x=x: torch.mm(x, w_t))
+
+        def blocks_call(x=x):
+            bw = next_copy(block_copies)
+            kernels.qlinear(x, bw.qs, bw.d, bw.m)
+
+        blocks = best_time(blocks_call)
+        dense = best_time(lambda x=x: torch.mm(x, next_copy(dense_copies)))
         if blocks >= dense:
             break
         limit = rows

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvpool.model.autotune import ROWS, best_time, cached, cpu_name
+from kvpool.model.autotune import ROWS, best_time, cached, cpu_id, cpu_name
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def _valid(d: object) -> bool:
 
 def machine_limits(kernels=None, fresh: bool = False) -> MachineLimits:
     """``measure_machine``, cached per CPU and thread count (``fresh``: measure again)."""
-    key = f"{cpu_name()}|t{torch.get_num_threads()}|{'k' if kernels else '-'}"
+    key = f"{cpu_id()}|t{torch.get_num_threads()}|{'k' if kernels else '-'}"
     d = cached("machine", key, lambda: asdict(measure_machine(kernels)), _valid, fresh)
     return MachineLimits.from_json(d)
 
@@ -91,7 +91,7 @@ def known_limits() -> MachineLimits | None:
         known = json.loads((cache_root() / "autotune" / "machine.json").read_text())
     except (OSError, ValueError):
         return None
-    prefix = f"{cpu_name()}|t{torch.get_num_threads()}|"
+    prefix = f"{cpu_id()}|t{torch.get_num_threads()}|"
     for mark in ("k", "-"):
         if _valid(known.get(prefix + mark)):
             return MachineLimits.from_json(known[prefix + mark])
