@@ -1,15 +1,16 @@
 """The linear layers of the decoder, one class per weight format.
 
 Each takes activations ``x`` ``[T, K]`` and gives ``x W^T`` (``__call__``) or adds it to a
-residual stream (``add_to(h, x)``, fused where the kernel can). ``nbytes`` is what one pass
+residual stream (``add_to(h, x)``, fused where the kernel can); ``exact=True`` asks for the
+float32 arithmetic of the dense weights whatever the batch size (steps with prompt tokens). ``nbytes`` is what one pass
 over the weights reads: the weight bytes each decode step streams (the roofline report).
 
 - ``DenseLinear``: float weights through BLAS (kept transposed: ``x @ W`` runs 2-3x faster
   on CPU BLAS than ``x @ W.T`` at decode's small batch sizes).
 - ``BlockLinear``: 32-block q4/q8 weights (``quant.py``) through ``kernels/qgemm.cpp`` for
   small batches, where a step is bound by the bytes of the weights; with ``large``, batches
-  above ``small_rows`` rows go to it instead (prefill chunks are bound by arithmetic, where
-  a BLAS or fbgemm GEMM is faster than the block kernel).
+  above ``small_rows`` rows, and exact ones, go to it instead (prefill chunks are bound by
+  arithmetic, where a BLAS GEMM is faster than the block kernel).
 
 Each also describes itself for the fused decode step (``spec()``: ``kernels/decode.cpp``).
 """
@@ -30,11 +31,11 @@ class DenseLinear:
         self.w_t = w.t().contiguous()
         self.bias = bias
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
         w = self.w_t
         return torch.mm(x, w) if self.bias is None else torch.addmm(self.bias, x, w)
 
-    def add_to(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def add_to(self, h: torch.Tensor, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
         return torch.addmm(h, x, self.w_t)
 
     @property
@@ -57,18 +58,18 @@ class BlockLinear:
         self.large = large  # a DenseLinear for big batches, or None
         self.small_rows = small_rows
 
-    def _big(self, x: torch.Tensor) -> bool:
-        return self.large is not None and x.shape[0] > self.small_rows
+    def _big(self, x: torch.Tensor, exact: bool) -> bool:
+        return self.large is not None and (exact or x.shape[0] > self.small_rows)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._big(x):
+    def __call__(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        if self._big(x, exact):
             return self.large(x)  # type: ignore[operator]
         w = self.weights
         y = self.kernels.qlinear(x, w.qs, w.d, w.m)
         return y if self.bias is None else y.add_(self.bias)
 
-    def add_to(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if self._big(x):
+    def add_to(self, h: torch.Tensor, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        if self._big(x, exact):
             return self.large.add_to(h, x)  # type: ignore[union-attr]
         w = self.weights
         assert self.bias is None

@@ -6,10 +6,11 @@
   which decides every token, is kept at 8 bits (the file's Q8_0 blocks, else quantized to q8).
 - ``int8``: 8-bit blocks everywhere (q8: the file's Q8_0 blocks, else quantized here).
 
-Batches of up to ``small_rows`` rows (decode steps) run the block kernel; larger ones (prefill
-chunks) run float32 BLAS on the dequantized weights, which is faster for them on the CPUs
-measured (``autotune.py`` measures the limit per shape on this machine). So a prompt's KV is
-the float32 model's, and each new token comes from the quantized one. ``auto`` is ``q4`` for a
+Decode-only steps of up to ``small_rows`` rows run the block kernel; larger ones run float32
+BLAS on the dequantized weights, which is faster for them (``autotune.py`` measures the limit
+per shape on this machine, reading the weights from memory as a decode step does). Steps with
+prompt tokens run BLAS on every row, so a prompt's KV and its prompt logprobs are the float32
+model's however the scheduler cut it into chunks, and each new token comes from the kernel. ``auto`` is ``q4`` for a
 GGUF file with 4-bit blocks, ``int8`` otherwise, and ``float32`` where the kernel does not
 build, the dtype is not float32, the shapes do not cut into 32-blocks, or the block kernel is
 not faster than BLAS even for one row.
