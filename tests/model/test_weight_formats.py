@@ -104,6 +104,9 @@ def test_quantized_logits_are_close_to_float32(tiny):
     want = next_token_logprobs(ref, ids)
     # the tiny model's random float weights, quantized to 4 bits here: close, not equal
     assert (lp.exp() - want.exp()).abs().max() < 0.05
+    assert not torch.equal(lp, want)  # block_path did run the 4-bit weights
+    # outside block_path a prompt pass runs the float32 weights: the float32 model's result
+    assert torch.allclose(next_token_logprobs(q4, ids), want, atol=1e-4)
 
 
 @needs_kernel

@@ -2,9 +2,9 @@
 float32 model's greedy tokens.
 
 Both read a model's next-token distributions over a whole token sequence in one pass (teacher
-forcing). A quantized model runs its prompt chunks through float32 BLAS and only its decode
-steps through the block kernel (``weight_formats.py``), so ``block_path`` makes every batch
-take the block kernel while measuring: the figures are those of the tokens a server generates.
+forcing). A quantized model runs its prompt steps through float32 BLAS and only its decode steps
+through the block kernel (``weight_formats.py``), so ``block_path`` makes every batch take
+the block kernel while measuring: the figures are those of the tokens a server generates.
 """
 
 from __future__ import annotations
@@ -36,15 +36,16 @@ PROMPTS = (
 
 @contextmanager
 def block_path(model: LlamaModel) -> Iterator[LlamaModel]:
-    """Every batch of ``model`` through the block kernel while inside (a no-op for float32)."""
-    saved = [(lin, lin.small_rows) for lin in model.linears() if isinstance(lin, BlockLinear)]
+    """Every batch of ``model`` through the block kernel while inside, prompt steps included
+    (a no-op for float32): the dense fallback is set aside."""
+    saved = [(lin, lin.large) for lin in model.linears() if isinstance(lin, BlockLinear)]
     try:
         for lin, _ in saved:
-            lin.small_rows = 1 << 30
+            lin.large = None
         yield model
     finally:
-        for lin, rows in saved:
-            lin.small_rows = rows
+        for lin, large in saved:
+            lin.large = large
 
 
 @torch.inference_mode()
