@@ -60,7 +60,9 @@ def same_counts(a: dict, b: dict) -> bool:
 
 
 def same_chat_logprobs(a: list, b: list) -> bool:
-    """Equal up to float rounding (a prefix-cache hit attends through another kernel)."""
+    """Equal up to rounding: a prefix-cache hit attends through another kernel, and the block
+    kernel's 16-bit activations can turn a last-bit difference of its input into one
+    quantization step (~3e-5 of a block's largest value): 1e-4 relative on a logprob."""
 
     def flat(c):
         return [c["token"], c["bytes"], [(t["token"], t["bytes"]) for t in c["top_logprobs"]]]
@@ -68,7 +70,7 @@ def same_chat_logprobs(a: list, b: list) -> bool:
     values = [x for c in a for x in [c["logprob"], *(t["logprob"] for t in c["top_logprobs"])]]
     others = [x for c in b for x in [c["logprob"], *(t["logprob"] for t in c["top_logprobs"])]]
     return [flat(c) for c in a] == [flat(c) for c in b] and values == pytest.approx(
-        others, rel=1e-6, abs=1e-5)  # fmt: skip
+        others, rel=1e-4, abs=1e-5)  # fmt: skip
 
 
 def test_completion_logprobs_are_the_engines(client, offline):
