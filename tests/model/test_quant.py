@@ -96,6 +96,30 @@ def test_qlinear_wide_and_narrow_paths_agree(kind, k):
 
 @needs_kernel
 @pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("rows", [12, 16, 17, 33, 64])  # one group, a partial one, odd counts
+@pytest.mark.parametrize("half", [False, True])
+def test_qlinear_lanes_path_agrees_with_the_per_row_path(kind, rows, half):
+    # from 12 rows on, AVX-512 machines put 16 activation rows in a vector's lanes; 37 weight
+    # rows end with a tile of one; accumulating into `out` and float16 scales go through it too
+    if not kern.has_avx512():
+        pytest.skip("the lanes path is AVX-512 only; this CPU runs the per-row paths")
+    bw = quantize(weights(37, 160, rows), kind)
+    d, m = (bw.d.half(), bw.m.half() if bw.m.numel() else bw.m) if half else (bw.d, bw.m)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    lanes = kern.qlinear(x, bw.qs, d, m, lanes_from=1)
+    per_row = kern.qlinear(x, bw.qs, d, m, lanes_from=0)
+    portable = kern.qlinear(x, bw.qs, d, m, portable=True)
+    scale = portable.abs().max()
+    assert (lanes - portable).abs().max() <= 1e-5 * scale
+    assert (lanes - per_row).abs().max() <= 1e-5 * scale
+    assert torch.equal(kern.qlinear(x, bw.qs, d, m), lanes if rows >= 12 else per_row)
+    base = torch.randn(rows, 37)
+    added = kern.qlinear(x, bw.qs, d, m, base.clone(), lanes_from=1)
+    assert (added - (base + lanes)).abs().max() <= 1e-6 * (scale + base.abs().max())
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["q4", "q8"])
 @pytest.mark.parametrize("wide", [True, False])
 def test_qlinear_float16_scales_compute_what_their_float32_values_do(kind, wide):
     # a GGUF's scales stay float16 (fewer bytes per step): the same values as float32 give

@@ -6,7 +6,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention over a paged block-major KV cache");
   m.def("qlinear", &kvpool::qlinear, "x . W^T over 32-block quantized weights (q4 / q8)",
         py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("out") = py::none(),
-        py::arg("portable") = false, py::arg("wide") = true);
+        py::arg("portable") = false, py::arg("wide") = true,
+        py::arg("lanes_from") = kvpool::LANES_FROM);
   m.def("has_avx2", &kvpool::has_avx2, "whether the quantized kernel's AVX2 path is built in");
   m.def("has_avx512", &kvpool::has_avx512,
         "whether the quantized kernel's AVX-512 path is built in (used unless wide=False)");

@@ -11,8 +11,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_layer,
                                      double scale);
 
 // y = x . W^T over 32-block quantized weights; with `out`, y is added to it (qgemm.cpp).
+// `wide`: the AVX-512 paths where built in; from `lanes_from` rows on (0: never) the one that
+// puts 16 activation rows in a vector's lanes.
+constexpr int64_t LANES_FROM = 12;
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
-                      c10::optional<torch::Tensor> out, bool portable, bool wide = true);
+                      c10::optional<torch::Tensor> out, bool portable, bool wide = true,
+                      int64_t lanes_from = LANES_FROM);
 bool has_avx2();
 bool has_avx512();
 

@@ -17,6 +17,8 @@
 // Where the compiler targets AVX-512 (BW, and VNNI where present), a wider path runs the same
 // integer arithmetic with twice the lanes (tile512_*; `wide=False` forces the AVX2 path, which
 // tests compare it with); its sums differ from the AVX2 path's only by float rounding order.
+// From LANES_FROM rows on (a decode batch), the AVX-512 path turns the tile around: lanes are
+// 16 activation rows, so a block's float scaling is paid once per 16 rows (lanes512, below).
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -319,6 +321,128 @@ void tile512_q8(const QWeights& w, const QAct& a, int64_t n0, int64_t m0, float*
   finish512<S, NT, MT>(w, a, acc, n0, m0, y, ldy, accumulate);
 }
 
+// Many rows (a decode batch of 16 and more): the arithmetic above spends three float
+// instructions (convert, scale, add) on every 32-element block of every (weight row, activation
+// row) pair beside its two integer ones. Here vector lanes are 16 activation rows instead: a
+// broadcast pair of weights multiplies the same pair of elements of 16 rows (one vpdpwssd per 32
+// products), a block's scale is applied once per 16 rows, and a weight row is widened to int16
+// once per call and reused by every group of rows. Same integer products and scales as the other
+// paths; only the float rounding order differs.
+struct LaneAct {     // QAct regrouped: per group of 16 rows, element pairs in lane order
+  std::vector<int32_t> x;  // [groups][K / 2][16]: (x[k], x[k + 1]) of the group's 16 rows
+  std::vector<float> d, s;  // [groups][nb][16]
+  int64_t groups;
+};
+
+LaneAct lanes_of(const QAct& a, int64_t M, int64_t K) {
+  const int64_t groups = (M + 15) / 16, pairs = K / 2, nb = K / QK;
+  LaneAct t{std::vector<int32_t>(groups * pairs * 16, 0), std::vector<float>(groups * nb * 16, 0.f),
+            std::vector<float>(groups * nb * 16, 0.f), groups};
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t g = m / 16, l = m % 16;
+    const int16_t* row = a.q.data() + m * K;
+    int32_t* dst = t.x.data() + g * pairs * 16 + l;
+    for (int64_t p = 0; p < pairs; ++p) std::memcpy(dst + p * 16, row + 2 * p, sizeof(int32_t));
+    for (int64_t b = 0; b < nb; ++b) {
+      t.d[(g * nb + b) * 16 + l] = a.d[m * nb + b];
+      t.s[(g * nb + b) * 16 + l] = a.s[m * nb + b];
+    }
+  }
+  return t;
+}
+
+// NT weight rows, widened to int16 in element order, into `w16` ([NT][K]).
+template <bool Q4>
+void widen_rows(const QWeights& w, int64_t n0, int NT, int16_t* w16) {
+  const int64_t K = w.K;
+  for (int i = 0; i < NT; ++i) {
+    const int64_t n = n0 + i;
+    for (int64_t b = 0; b < w.nb; ++b) {
+      int16_t* dst = w16 + i * K + b * QK;
+      if constexpr (Q4) {
+        const __m256i bytes = _mm256_cvtepu8_epi16(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + n * (K / 2) + b * (QK / 2))));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                            _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16), _mm256_srli_epi16(bytes, 4));
+      } else {
+        _mm512_storeu_si512(dst, _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+                                     reinterpret_cast<const __m256i*>(w.qs + n * K + b * QK))));
+      }
+    }
+  }
+}
+
+inline __m512i dot_pairs(__m512i acc, __m512i x, __m512i w) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, x, w);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(x, w));
+#endif
+}
+
+// NT weight rows (widened in w16) against G groups of 16 rows starting at group g0.
+template <bool Q4, typename S, int NT, int G>
+void lanes512(const QWeights& w, const int16_t* w16, const LaneAct& t, int64_t n0, int64_t g0,
+              int64_t M, float* y, int64_t ldy, bool accumulate) {
+  const int64_t K = w.K, nb = w.nb, pairs = K / 2;
+  __m512 acc[NT][G];
+  for (int i = 0; i < NT; ++i)
+    for (int g = 0; g < G; ++g) acc[i][g] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i sum[NT][G];
+    for (int i = 0; i < NT; ++i)
+      for (int g = 0; g < G; ++g) sum[i][g] = _mm512_setzero_si512();
+    const int32_t* xb = t.x.data() + (g0 * pairs + b * (QK / 2)) * 16;
+    const int16_t* wb = w16 + b * QK;
+#pragma GCC unroll 16
+    for (int p = 0; p < QK / 2; ++p) {
+      __m512i x[G];
+      for (int g = 0; g < G; ++g) x[g] = _mm512_loadu_si512(xb + (g * pairs + p) * 16);
+      for (int i = 0; i < NT; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, wb + i * K + 2 * p, sizeof(pair));
+        const __m512i wv = _mm512_set1_epi32(pair);
+        for (int g = 0; g < G; ++g) sum[i][g] = dot_pairs(sum[i][g], x[g], wv);
+      }
+    }
+    __m512 xd[G], xs[G];
+    for (int g = 0; g < G; ++g) {
+      xd[g] = _mm512_loadu_ps(t.d.data() + ((g0 + g) * nb + b) * 16);
+      if constexpr (Q4) xs[g] = _mm512_loadu_ps(t.s.data() + ((g0 + g) * nb + b) * 16);
+    }
+    for (int i = 0; i < NT; ++i) {
+      const __m512 wd = _mm512_set1_ps(to_f32(*scales<S>(w.d, (n0 + i) * nb + b)));
+      for (int g = 0; g < G; ++g)
+        acc[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][g]), _mm512_mul_ps(wd, xd[g]),
+                                    acc[i][g]);
+      if constexpr (Q4) {
+        const __m512 wm = _mm512_set1_ps(to_f32(*scales<S>(w.m, (n0 + i) * nb + b)));
+        for (int g = 0; g < G; ++g) acc[i][g] = _mm512_fmadd_ps(wm, xs[g], acc[i][g]);
+      }
+    }
+  }
+  alignas(64) float v[16];
+  for (int i = 0; i < NT; ++i)
+    for (int g = 0; g < G; ++g) {
+      _mm512_store_ps(v, acc[i][g]);
+      const int64_t m0 = (g0 + g) * 16, rows = std::min<int64_t>(16, M - m0);
+      for (int64_t l = 0; l < rows; ++l) {
+        float* out = y + (m0 + l) * ldy + n0 + i;
+        *out = accumulate ? *out + v[l] : v[l];
+      }
+    }
+}
+
+template <bool Q4, typename S, int NT>
+void lanes_rows(const QWeights& w, const LaneAct& t, int16_t* w16, int64_t n0, int64_t M,
+                float* y, int64_t ldy, bool accumulate) {
+  widen_rows<Q4>(w, n0, NT, w16);
+  int64_t g = 0;
+  for (; g + 2 <= t.groups; g += 2) lanes512<Q4, S, NT, 2>(w, w16, t, n0, g, M, y, ldy, accumulate);
+  if (g < t.groups) lanes512<Q4, S, NT, 1>(w, w16, t, n0, g, M, y, ldy, accumulate);
+}
+
 template <bool Q4, typename S, int NT, int MT>
 void tile512(const QWeights& w, const QAct& a, int64_t n0, int64_t m0, float* y, int64_t ldy,
              bool accumulate) {
@@ -391,11 +515,50 @@ void rows(const QWeights& w, const QAct& a, int64_t n0, int64_t M, float* y, boo
   }
 }
 
+#if defined(KVPOOL_QGEMM_AVX512)
+// The lanes kernel for the weights' kind and scale type, over rows n0 .. n0 + nt.
+void lanes_tile(const QWeights& w, const LaneAct& t, int16_t* w16, int64_t n0, int64_t nt,
+                int64_t M, float* y, bool acc) {
+  for (int64_t n = n0; n < n0 + nt; n += (nt == 4 ? 4 : 1)) {
+    const bool four = nt == 4;
+    if (w.q4) {
+      if (w.half) {
+        four ? lanes_rows<true, uint16_t, 4>(w, t, w16, n, M, y, w.N, acc)
+             : lanes_rows<true, uint16_t, 1>(w, t, w16, n, M, y, w.N, acc);
+      } else {
+        four ? lanes_rows<true, float, 4>(w, t, w16, n, M, y, w.N, acc)
+             : lanes_rows<true, float, 1>(w, t, w16, n, M, y, w.N, acc);
+      }
+    } else if (w.half) {
+      four ? lanes_rows<false, uint16_t, 4>(w, t, w16, n, M, y, w.N, acc)
+           : lanes_rows<false, uint16_t, 1>(w, t, w16, n, M, y, w.N, acc);
+    } else {
+      four ? lanes_rows<false, float, 4>(w, t, w16, n, M, y, w.N, acc)
+           : lanes_rows<false, float, 1>(w, t, w16, n, M, y, w.N, acc);
+    }
+  }
+}
+#endif
+
 void run(const QWeights& w, const QAct& a, int64_t M, float* y, bool acc, bool portable,
-         bool wide) {
+         bool wide, int64_t lanes_from) {
   // Threads split the weight rows: each row is read from memory once per call.
   const int64_t step = 4;
   const int64_t tiles = (w.N + step - 1) / step;
+#if defined(KVPOOL_QGEMM_AVX512)
+  if (wide && !portable && lanes_from > 0 && M >= lanes_from) {
+    const LaneAct t = lanes_of(a, M, w.K);
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      std::vector<int16_t> w16(step * w.K);
+      for (int64_t tile = begin; tile < end; ++tile) {
+        const int64_t n0 = tile * step;
+        lanes_tile(w, t, w16.data(), n0, std::min(step, w.N - n0), M, y, acc);
+      }
+    });
+    return;
+  }
+#endif
+  (void)lanes_from;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * step, nt = std::min(step, w.N - n0);
@@ -448,7 +611,8 @@ namespace kvpool {
 
 // y = x . W^T (+ out when given: the residual add of a layer, fused).
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
-                      c10::optional<torch::Tensor> out, bool portable, bool wide) {
+                      c10::optional<torch::Tensor> out, bool portable, bool wide,
+                      int64_t lanes_from) {
   const QWeights w = check(x, qs, d, m);
   const int64_t M = x.size(0);
   torch::Tensor y;
@@ -463,7 +627,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch:
   }
   if (M == 0) return y;
   const QAct a = quantize_rows(x.data_ptr<float>(), M, w.K, x.stride(0));
-  run(w, a, M, y.data_ptr<float>(), acc, portable, wide);
+  run(w, a, M, y.data_ptr<float>(), acc, portable, wide, lanes_from);
   return y;
 }
 
