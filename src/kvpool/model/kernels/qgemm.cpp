@@ -516,26 +516,16 @@ void rows(const QWeights& w, const QAct& a, int64_t n0, int64_t M, float* y, boo
 }
 
 #if defined(KVPOOL_QGEMM_AVX512)
-// The lanes kernel for the weights' kind and scale type, over rows n0 .. n0 + nt.
-void lanes_tile(const QWeights& w, const LaneAct& t, int16_t* w16, int64_t n0, int64_t nt,
-                int64_t M, float* y, bool acc) {
-  for (int64_t n = n0; n < n0 + nt; n += (nt == 4 ? 4 : 1)) {
-    const bool four = nt == 4;
-    if (w.q4) {
-      if (w.half) {
-        four ? lanes_rows<true, uint16_t, 4>(w, t, w16, n, M, y, w.N, acc)
-             : lanes_rows<true, uint16_t, 1>(w, t, w16, n, M, y, w.N, acc);
-      } else {
-        four ? lanes_rows<true, float, 4>(w, t, w16, n, M, y, w.N, acc)
-             : lanes_rows<true, float, 1>(w, t, w16, n, M, y, w.N, acc);
-      }
-    } else if (w.half) {
-      four ? lanes_rows<false, uint16_t, 4>(w, t, w16, n, M, y, w.N, acc)
-           : lanes_rows<false, uint16_t, 1>(w, t, w16, n, M, y, w.N, acc);
-    } else {
-      four ? lanes_rows<false, float, 4>(w, t, w16, n, M, y, w.N, acc)
-           : lanes_rows<false, float, 1>(w, t, w16, n, M, y, w.N, acc);
-    }
+// The lanes kernel for the weights' kind and scale type (as rows<NT> for the per-row tiles).
+template <int NT>
+void lanes_tile(const QWeights& w, const LaneAct& t, int16_t* w16, int64_t n0, int64_t M,
+                float* y, bool acc) {
+  if (w.q4) {
+    w.half ? lanes_rows<true, uint16_t, NT>(w, t, w16, n0, M, y, w.N, acc)
+           : lanes_rows<true, float, NT>(w, t, w16, n0, M, y, w.N, acc);
+  } else {
+    w.half ? lanes_rows<false, uint16_t, NT>(w, t, w16, n0, M, y, w.N, acc)
+           : lanes_rows<false, float, NT>(w, t, w16, n0, M, y, w.N, acc);
   }
 }
 #endif
@@ -551,8 +541,12 @@ void run(const QWeights& w, const QAct& a, int64_t M, float* y, bool acc, bool p
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       std::vector<int16_t> w16(step * w.K);
       for (int64_t tile = begin; tile < end; ++tile) {
-        const int64_t n0 = tile * step;
-        lanes_tile(w, t, w16.data(), n0, std::min(step, w.N - n0), M, y, acc);
+        const int64_t n0 = tile * step, nt = std::min(step, w.N - n0);
+        if (nt == 4) {
+          lanes_tile<4>(w, t, w16.data(), n0, M, y, acc);
+        } else {
+          for (int64_t n = n0; n < n0 + nt; ++n) lanes_tile<1>(w, t, w16.data(), n, M, y, acc);
+        }
       }
     });
     return;
