@@ -20,8 +20,8 @@ def spied(monkeypatch):
         seen = []
         head = eng.model.logits
 
-        def logits(hidden, exact=False):
-            out = head(hidden, exact)
+        def logits(hidden, prompt=False):
+            out = head(hidden, prompt)
             seen.append(out.clone())
             return out
 
@@ -106,25 +106,33 @@ def test_prompt_logprobs_are_log_softmax_of_each_position(tiny_engine_factory, s
     assert out.num_cached_tokens == 0
 
 
-def assert_close(a, b):
+def assert_close(a, b, tol=1e-5):
     """Float32 rounding apart (the chunks attend through different kernels), equal."""
     assert len(a) == len(b) and a[0] is None and b[0] is None
     for x, y in zip(a[1:], b[1:], strict=True):
         assert list(x) == list(y)  # the same tokens in the same order
         for t in x:
-            assert x[t].logprob == pytest.approx(y[t].logprob, rel=1e-6, abs=1e-5)
+            assert x[t].logprob == pytest.approx(y[t].logprob, rel=1e-6, abs=tol)
             assert x[t].rank == y[t].rank
 
 
-def test_chunked_prompt_logprobs_equal_one_shot(tiny_engine_factory, monkeypatch):
-    # chunks of 7 rows are within the block kernel's range: steps with prompt tokens must
-    # still compute in float32 (else the logprobs depend on the chunking, by ~1e-4)
+@pytest.mark.parametrize("prompt_blocks", ["0", "1"])
+def test_chunked_prompt_logprobs_equal_one_shot(tiny_engine_factory, monkeypatch, prompt_blocks):
+    # chunks of 7 rows are within the block kernel's decode range, the one-shot step is not:
+    # steps with prompt tokens must still take one path (else the logprobs depend on the
+    # chunking, by ~1e-4 on the tiny model's weights quantized here), whichever it is
     monkeypatch.setenv("KVPOOL_SMALL_ROWS", "64")
+    monkeypatch.setenv("KVPOOL_PROMPT_BLOCKS", prompt_blocks)
     one = prompt_logprobs_of(tiny_engine_factory(max_num_batched_tokens=512)).prompt_logprobs
     chunked_eng = tiny_engine_factory(max_num_batched_tokens=7)
     chunked = prompt_logprobs_of(chunked_eng).prompt_logprobs
     assert chunked_eng.stats().steps > 5
-    assert_close(one, chunked)
+    # on the block kernel each layer's input is rounded to 16 bits per 32-block: the attention
+    # kernels' float rounding (1e-7) can move a value by one step (3e-5 of its block's
+    # largest), and layers carry it on: logprobs up to ~4e-4 apart here (1.4e-3 on SmolLM2
+    # over 600 tokens, against 2.6e-5 on the float32 path). The kernel itself gives a row the
+    # same bits whatever the step's size (test_quant.py).
+    assert_close(one, chunked, tol=1e-3 if prompt_blocks == "1" else 1e-5)
 
 
 def test_long_prompts_take_several_head_passes(tiny_engine_factory, spied):

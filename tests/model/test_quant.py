@@ -120,6 +120,23 @@ def test_qlinear_lanes_path_agrees_with_the_per_row_path(kind, rows, half):
 
 @needs_kernel
 @pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_qlinear_lanes_path_gives_a_row_the_same_bits_in_any_batch(kind):
+    # prompt steps run it for any number of rows, so a prompt's results do not depend on the
+    # sizes of the chunks it was cut into; 1,000 rows of K=1,536 take several of the slices a
+    # many-row call is cut into (LANES_SLICE), and chunks start off a group's boundary
+    if not kern.has_avx512():
+        pytest.skip("the lanes path is AVX-512 only; this CPU runs the per-row paths")
+    bw = quantize(weights(37, 1536, 3), kind)
+    x = torch.randn(1000, 1536, generator=torch.Generator().manual_seed(3))
+    full = kern.qlinear(x, bw.qs, bw.d, bw.m, lanes_from=1)
+    for a, b in [(0, 1), (1, 8), (8, 30), (30, 517), (517, 1000)]:
+        assert torch.equal(kern.qlinear(x[a:b], bw.qs, bw.d, bw.m, lanes_from=1), full[a:b])
+    portable = kern.qlinear(x, bw.qs, bw.d, bw.m, portable=True)
+    assert (full - portable).abs().max() <= 1e-5 * portable.abs().max()
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["q4", "q8"])
 @pytest.mark.parametrize("wide", [True, False])
 def test_qlinear_float16_scales_compute_what_their_float32_values_do(kind, wide):
     # a GGUF's scales stay float16 (fewer bytes per step): the same values as float32 give

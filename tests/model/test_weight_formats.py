@@ -3,6 +3,7 @@ fused decode step against the per-op Python path, and the cached batch-size limi
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,7 +95,8 @@ def test_quantized_formats_build_block_layers_with_a_dense_fallback(tiny):
 
 
 @needs_kernel
-def test_quantized_logits_are_close_to_float32(tiny):
+def test_quantized_logits_are_close_to_float32(tiny, monkeypatch):
+    monkeypatch.setenv("KVPOOL_PROMPT_BLOCKS", "0")
     ids = list(range(3, 40))
     ref, q4 = build(tiny, "float32"), build(tiny, "q4")
     from kvpool.model.quality import next_token_logprobs
@@ -105,8 +107,15 @@ def test_quantized_logits_are_close_to_float32(tiny):
     # the tiny model's random float weights, quantized to 4 bits here: close, not equal
     assert (lp.exp() - want.exp()).abs().max() < 0.05
     assert not torch.equal(lp, want)  # block_path did run the 4-bit weights
-    # outside block_path a prompt pass runs the float32 weights: the float32 model's result
+    # outside block_path a prompt pass runs the float32 weights where prompt_blocks is off:
+    # the float32 model's result
     assert torch.allclose(next_token_logprobs(q4, ids), want, atol=1e-4)
+    # where it is on, prompt passes run the blocks: block_path's result, to rounding
+    monkeypatch.setenv("KVPOOL_PROMPT_BLOCKS", "1")
+    q4_prompt = build(tiny, "q4")
+    assert q4_prompt.layers[0].qkv.prompt_blocks and not q4.layers[0].qkv.prompt_blocks
+    assert torch.allclose(next_token_logprobs(q4_prompt, ids), lp, atol=1e-5)
+    assert not torch.allclose(next_token_logprobs(q4_prompt, ids), want, atol=1e-4)
 
 
 @needs_kernel
@@ -150,6 +159,25 @@ def test_small_rows_is_measured_once_and_cached(tmp_path, monkeypatch):
 @needs_kernel
 def test_measure_small_rows_returns_a_tried_batch_size():
     assert autotune.measure_small_rows(kern, "q8", 64, 96) in (0, *autotune.ROWS)
+
+
+@needs_kernel
+def test_prompt_blocks_is_measured_once_cached_and_overridden(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("KVPOOL_PROMPT_BLOCKS", raising=False)
+    assert isinstance(autotune.measure_prompt_blocks(kern, "q4", 64, 96), bool)
+    calls = []
+    monkeypatch.setattr(autotune, "measure_prompt_blocks",
+                        lambda *a: calls.append(a) or True)  # fmt: skip
+    assert autotune.prompt_blocks(kern, "q4", 64, 128) is True
+    assert autotune.prompt_blocks(kern, "q4", 64, 128) is True
+    assert len(calls) == 1
+    saved = json.loads((tmp_path / "autotune" / "prompt_blocks.json").read_text())
+    assert list(saved.values()) == [True]
+    # the key names the kernels' build (their sources' digest): a changed kernel measures again
+    assert Path(kern.__file__).parent.name in next(iter(saved))
+    monkeypatch.setenv("KVPOOL_PROMPT_BLOCKS", "0")
+    assert autotune.prompt_blocks(kern, "q4", 64, 128) is False
 
 
 def test_cached_measurements_are_keyed_by_the_cpu_not_just_its_name():

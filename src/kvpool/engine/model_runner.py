@@ -140,7 +140,7 @@ class ModelRunner:
         if not inp.sample_rows:
             return StepResult([], prompt_lps)
         # a prompt's first token is sampled from the same float32 head as its prompt logprobs
-        logits = self.model.logits(hidden[inp.sample_rows], exact=bool(inp.meta.prefills))
+        logits = self.model.logits(hidden[inp.sample_rows], prompt=bool(inp.meta.prefills))
         done = [ch.request for ch in chunks if ch.completes]
         return StepResult(self._sample(logits, done), prompt_lps)
 
@@ -168,8 +168,8 @@ class ModelRunner:
             at += w
         return out
 
-    def _exact_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.logits(hidden, exact=True)
+    def _prompt_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden, prompt=True)
 
     def _prompt_logprobs(self, chunks: list[ScheduledChunk],
                          hidden: torch.Tensor) -> dict[int, list[PositionLogprobs]]:  # fmt: skip
@@ -182,7 +182,7 @@ class ModelRunner:
                 end = min(start + n, req.num_prompt_tokens - 1)
                 if end > start:
                     k = req.params.prompt_logprobs or 0
-                    out[i] = prompt_logprob_dicts(self._exact_logits,
+                    out[i] = prompt_logprob_dicts(self._prompt_logits,
                                                   hidden[row : row + end - start],
                                                   req.token_ids[start + 1 : end + 1], k)  # fmt: skip
             row += n

@@ -1,10 +1,12 @@
-"""Choices measured on this CPU, once, then cached: which weight format ``auto`` means, and up
-to how many rows a batch runs the block kernel rather than BLAS.
+"""Choices measured on this CPU, once, then cached: which weight format ``auto`` means, up to
+how many rows a decode batch runs the block kernel rather than BLAS, and which of the two runs
+steps with prompt tokens.
 
 Machines differ (AVX-512 Xeons run float32 BLAS far faster than an AVX2-only EPYC does), so
 nothing here is a constant: a few timed calls on matrices of the model's own shapes decide, and
-the result is kept in ``<cache>/autotune/`` keyed by the CPU, torch, the thread count and the
-shapes (``KVPOOL_SMALL_ROWS`` overrides the measured limit).
+the result is kept in ``<cache>/autotune/`` keyed by the CPU, torch, the kernels' build (a
+digest of their sources), the thread count and the shapes (``KVPOOL_SMALL_ROWS`` and
+``KVPOOL_PROMPT_BLOCKS`` override the measurements).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from kvpool.model.quant import quantize
 logger = logging.getLogger(__name__)
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes tried, in order
+PROMPT_ROWS = 512  # a prompt step's rows, as measured for ``prompt_blocks``
 _ENV = "KVPOOL_SMALL_ROWS"
+_PROMPT_ENV = "KVPOOL_PROMPT_BLOCKS"
 
 
 def cpu_name() -> str:
@@ -61,8 +65,10 @@ def cpu_id(cpuinfo: str | None = None) -> str:
             f"-s{fields.get('stepping', '?')}|{flags}")  # fmt: skip
 
 
-def _key(kind: str, k: int, n: int) -> str:
-    return f"{cpu_id()}|torch-{torch.__version__}|t{torch.get_num_threads()}|{kind}|{k}x{n}"
+def _key(kernels: ModuleType, kind: str, k: int, n: int) -> str:
+    # the build directory's name holds torch's version and a digest of the kernels' sources
+    build = Path(getattr(kernels, "__file__", "") or "unknown").parent.name
+    return f"{cpu_id()}|{build}|t{torch.get_num_threads()}|{kind}|{k}x{n}"
 
 
 def best_time(fn, reps: int = 3) -> float:
@@ -113,6 +119,18 @@ def measure_small_rows(kernels: ModuleType, kind: str, k: int, n: int) -> int:
     return limit
 
 
+def measure_prompt_blocks(kernels: ModuleType, kind: str, k: int, n: int) -> bool:
+    """Whether the block kernel is faster than BLAS for ``PROMPT_ROWS`` rows of a ``[n, k]``
+    matrix of ``kind`` blocks. A prompt step reuses each weight for many rows, so the matrix is
+    read from cache here, on both sides."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=g) * 0.02
+    dense, bw = w.t().contiguous(), quantize(w, kind)
+    x = torch.randn(PROMPT_ROWS, k, generator=g)
+    blocks = best_time(lambda: kernels.qlinear(x, bw.qs, bw.d, bw.m))
+    return blocks < best_time(lambda: torch.mm(x, dense))
+
+
 def cached(name: str, key: str, measure, valid, fresh: bool = False):
     """``measure()``, kept under ``key`` in ``<cache>/autotune/<name>.json`` and read back from
     there by later calls (unless ``fresh``) when ``valid(value)`` holds."""
@@ -146,4 +164,21 @@ def small_rows(kernels: ModuleType, kind: str, k: int, n: int) -> int:
                     "%.1f s)", kind, n, k, limit, time.perf_counter() - t0)  # fmt: skip
         return limit
 
-    return cached("small_rows", _key(kind, k, n), measure, lambda v: isinstance(v, int))
+    return cached("small_rows", _key(kernels, kind, k, n), measure,
+                  lambda v: isinstance(v, int))  # fmt: skip
+
+
+def prompt_blocks(kernels: ModuleType, kind: str, k: int, n: int) -> bool:
+    """``measure_prompt_blocks``, from the cache when this machine measured it before."""
+    if os.environ.get(_PROMPT_ENV):
+        return os.environ[_PROMPT_ENV] not in ("0", "false", "no")
+
+    def measure() -> bool:
+        t0 = time.perf_counter()
+        faster = measure_prompt_blocks(kernels, kind, k, n)
+        logger.info("prompt steps (%s, %dx%d) run %s here (measured in %.1f s)", kind, n, k,
+                    "the block kernel" if faster else "BLAS", time.perf_counter() - t0)  # fmt: skip
+        return faster
+
+    return cached("prompt_blocks", _key(kernels, kind, k, n), measure,
+                  lambda v: isinstance(v, bool))  # fmt: skip

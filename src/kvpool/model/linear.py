@@ -1,16 +1,18 @@
 """The linear layers of the decoder, one class per weight format.
 
 Each takes activations ``x`` ``[T, K]`` and gives ``x W^T`` (``__call__``) or adds it to a
-residual stream (``add_to(h, x)``, fused where the kernel can); ``exact=True`` asks for the
-float32 arithmetic of the dense weights whatever the batch size (steps with prompt tokens). ``nbytes`` is what one pass
+residual stream (``add_to(h, x)``, fused where the kernel can); ``prompt=True`` marks a step
+with prompt tokens, whose every row takes one path whatever the step's size, so a prompt's KV
+and logprobs do not depend on how the scheduler cut it into chunks. ``nbytes`` is what one pass
 over the weights reads: the weight bytes each decode step streams (the roofline report).
 
 - ``DenseLinear``: float weights through BLAS (kept transposed: ``x @ W`` runs 2-3x faster
   on CPU BLAS than ``x @ W.T`` at decode's small batch sizes).
-- ``BlockLinear``: 32-block q4/q8 weights (``quant.py``) through ``kernels/qgemm.cpp`` for
-  small batches, where a step is bound by the bytes of the weights; with ``large``, batches
-  above ``small_rows`` rows, and exact ones, go to it instead (prefill chunks are bound by
-  arithmetic, where a BLAS GEMM is faster than the block kernel).
+- ``BlockLinear``: 32-block q4/q8 weights (``quant.py``) through ``kernels/qgemm.cpp``.
+  Decode-only batches of up to ``small_rows`` rows run it (a step bound by the bytes of the
+  weights), larger ones run ``large`` (float32 BLAS); prompt steps run it where
+  ``prompt_blocks`` (it beat BLAS on a prompt-sized batch on this machine: ``autotune.py``),
+  else ``large``.
 
 Each also describes itself for the fused decode step (``spec()``: ``kernels/decode.cpp``).
 """
@@ -23,6 +25,8 @@ import torch
 
 from kvpool.model.quant import BlockWeights
 
+LANES_FROM = 12  # kernels.h's default
+
 
 class DenseLinear:
     __slots__ = ("bias", "w_t")
@@ -31,11 +35,11 @@ class DenseLinear:
         self.w_t = w.t().contiguous()
         self.bias = bias
 
-    def __call__(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, prompt: bool = False) -> torch.Tensor:
         w = self.w_t
         return torch.mm(x, w) if self.bias is None else torch.addmm(self.bias, x, w)
 
-    def add_to(self, h: torch.Tensor, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    def add_to(self, h: torch.Tensor, x: torch.Tensor, prompt: bool = False) -> torch.Tensor:
         return torch.addmm(h, x, self.w_t)
 
     @property
@@ -46,34 +50,45 @@ class DenseLinear:
         return {"w_t": self.w_t, "bias": self.bias, "qs": None}
 
 
+def _lanes_from(prompt: bool) -> int:
+    """The kernel's lanes path computes each row alike whatever the batch's size (the per-row
+    tiles round in another order): a prompt step takes it for any number of rows, so a prompt's
+    results do not depend on its chunks' sizes; decode batches from ``LANES_FROM`` rows on,
+    where it is the faster one."""
+    return 1 if prompt else LANES_FROM
+
+
 class BlockLinear:
-    __slots__ = ("bias", "kernels", "large", "small_rows", "weights")
+    __slots__ = ("bias", "kernels", "large", "prompt_blocks", "small_rows", "weights")
 
     def __init__(self, weights: BlockWeights, kernels: ModuleType,
                  bias: torch.Tensor | None = None, large: object | None = None,
-                 small_rows: int = 0) -> None:  # fmt: skip
+                 small_rows: int = 0, prompt_blocks: bool = False) -> None:  # fmt: skip
         self.weights = weights
         self.kernels = kernels
         self.bias = bias
         self.large = large  # a DenseLinear for big batches, or None
         self.small_rows = small_rows
+        self.prompt_blocks = prompt_blocks
 
-    def _big(self, x: torch.Tensor, exact: bool) -> bool:
-        return self.large is not None and (exact or x.shape[0] > self.small_rows)
+    def _big(self, x: torch.Tensor, prompt: bool) -> bool:
+        if self.large is None:
+            return False
+        return not self.prompt_blocks if prompt else x.shape[0] > self.small_rows
 
-    def __call__(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
-        if self._big(x, exact):
+    def __call__(self, x: torch.Tensor, prompt: bool = False) -> torch.Tensor:
+        if self._big(x, prompt):
             return self.large(x)  # type: ignore[operator]
         w = self.weights
-        y = self.kernels.qlinear(x, w.qs, w.d, w.m)
+        y = self.kernels.qlinear(x, w.qs, w.d, w.m, lanes_from=_lanes_from(prompt))
         return y if self.bias is None else y.add_(self.bias)
 
-    def add_to(self, h: torch.Tensor, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
-        if self._big(x, exact):
+    def add_to(self, h: torch.Tensor, x: torch.Tensor, prompt: bool = False) -> torch.Tensor:
+        if self._big(x, prompt):
             return self.large.add_to(h, x)  # type: ignore[union-attr]
         w = self.weights
         assert self.bias is None
-        return self.kernels.qlinear(x, w.qs, w.d, w.m, h)
+        return self.kernels.qlinear(x, w.qs, w.d, w.m, h, lanes_from=_lanes_from(prompt))
 
     @property
     def nbytes(self) -> int:

@@ -149,9 +149,9 @@ class LlamaModel:
         if self.fused is not None and not meta.prefills and meta.kernels is not None:
             return self.fused.forward(h, positions, kv_cache, meta.decode_block_table,
                                       meta.decode_lens, meta.slot_blocks, meta.slot_offsets)  # fmt: skip
-        # a step with prompt tokens computes in float32 on every row, so a prompt's KV and its
-        # logprobs do not depend on how the scheduler cut it into chunks
-        exact = bool(meta.prefills)
+        # a step with prompt tokens runs every row on one path (``linear.py``), so a prompt's
+        # KV and its logprobs do not depend on how the scheduler cut it into chunks
+        prompt = bool(meta.prefills)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         t = input_ids.shape[0]
@@ -159,7 +159,7 @@ class LlamaModel:
         inter = cfg.intermediate_size
         for i, layer in enumerate(self.layers):
             x = self._rms(h, layer.ln_attn)
-            qkv = layer.qkv(x, exact)
+            qkv = layer.qkv(x, prompt)
             # q and k rotate together: one RoPE pass over [T, Hq + Hkv, D]
             qk = self._rope(
                 qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, d), cos, sin
@@ -167,14 +167,14 @@ class LlamaModel:
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, d)
             a = paged_attention(q, k, v, kv_cache[:, i], meta)
-            h = layer.o.add_to(h, a, exact)  # residual add fused into the GEMM
+            h = layer.o.add_to(h, a, prompt)  # residual add fused into the GEMM
             x = self._rms(h, layer.ln_mlp)
-            gu = layer.gate_up(x, exact)
+            gu = layer.gate_up(x, prompt)
             act = F.silu(gu[:, :inter], inplace=True).mul_(gu[:, inter:])
-            h = layer.down.add_to(h, act, exact)
+            h = layer.down.add_to(h, act, prompt)
         return self._rms(h, self.norm)
 
-    def logits(self, hidden: torch.Tensor, exact: bool = False) -> torch.Tensor:
-        """Float32 logits [N, vocab] for the selected hidden states (``exact``: through the
-        dense head whatever N, as steps with prompt tokens and prompt logprobs ask)."""
-        return self.lm_head(hidden, exact).float()
+    def logits(self, hidden: torch.Tensor, prompt: bool = False) -> torch.Tensor:
+        """Float32 logits [N, vocab] for the selected hidden states (``prompt``: on the prompt
+        path whatever N, as steps with prompt tokens and prompt logprobs ask)."""
+        return self.lm_head(hidden, prompt).float()

@@ -71,7 +71,7 @@ def next_token_logprobs(model: LlamaModel, ids: list[int], chunk: int = 0,
         meta = AttentionMetadata(table[pos // block], pos % block, 0, None, None, None, [seq])
         outs.append(model.forward(torch.tensor(ids[start:end]), pos, meta, kv))
     hidden = torch.cat(outs)[:-1]
-    parts = [torch.log_softmax(model.logits(hidden[i : i + _ROWS]), dim=-1)
+    parts = [torch.log_softmax(model.logits(hidden[i : i + _ROWS], prompt=True), dim=-1)
              for i in range(0, n - 1, _ROWS)]  # fmt: skip
     return torch.cat(parts)
 

@@ -9,8 +9,11 @@
 Decode-only steps of up to ``small_rows`` rows run the block kernel; larger ones run float32
 BLAS on the dequantized weights, which is faster for them (``autotune.py`` measures the limit
 per shape on this machine, reading the weights from memory as a decode step does). Steps with
-prompt tokens run BLAS on every row, so a prompt's KV and its prompt logprobs are the float32
-model's however the scheduler cut it into chunks, and each new token comes from the kernel. ``auto`` is ``q4`` for a
+prompt tokens run one path on every row, the faster of the two on a 512-row batch here
+(``prompt_blocks``), so a prompt's KV and its prompt logprobs do not depend on how the
+scheduler cut it into chunks. The kernel's 16-bit activations keep its results within ~1e-5
+of float32 arithmetic on the same weights, so with the file's own blocks the KV is the float32
+model's either way (and shares its keys). ``auto`` is ``q4`` for a
 GGUF file with 4-bit blocks, ``int8`` otherwise, and ``float32`` where the kernel does not
 build, the dtype is not float32, the shapes do not cut into 32-blocks, or the block kernel is
 not faster than BLAS even for one row.
@@ -28,7 +31,7 @@ from pathlib import Path
 import torch
 
 from kvpool.common.errors import ModelLoadError
-from kvpool.model.autotune import small_rows
+from kvpool.model.autotune import prompt_blocks, small_rows
 from kvpool.model.config import ModelConfig
 from kvpool.model.linear import BlockLinear, DenseLinear
 from kvpool.model.quant import GGUF_BLOCKS, QK, BlockWeights, cat_rows, from_gguf_blocks, quantize
@@ -122,7 +125,8 @@ class LinearFactory:
     def _blocks(self, bw: BlockWeights, bias, large: DenseLinear) -> BlockLinear:
         n, k = bw.shape
         rows = small_rows(self.kernels, bw.kind, k, n)
-        return BlockLinear(bw, self.kernels, bias, large, rows)
+        prompt = prompt_blocks(self.kernels, bw.kind, k, n)
+        return BlockLinear(bw, self.kernels, bias, large, rows, prompt)
 
     def head(self, name: str):
         """The output head (vocabulary x hidden), at 8 bits in both quantized formats."""

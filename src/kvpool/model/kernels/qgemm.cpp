@@ -434,13 +434,14 @@ void lanes512(const QWeights& w, const int16_t* w16, const LaneAct& t, int64_t n
     }
 }
 
+// NT weight rows against the groups [g0, g1).
 template <bool Q4, typename S, int NT>
-void lanes_rows(const QWeights& w, const LaneAct& t, int16_t* w16, int64_t n0, int64_t M,
-                float* y, int64_t ldy, bool accumulate) {
+void lanes_rows(const QWeights& w, const LaneAct& t, int16_t* w16, int64_t n0, int64_t g0,
+                int64_t g1, int64_t M, float* y, int64_t ldy, bool accumulate) {
   widen_rows<Q4>(w, n0, NT, w16);
-  int64_t g = 0;
-  for (; g + 2 <= t.groups; g += 2) lanes512<Q4, S, NT, 2>(w, w16, t, n0, g, M, y, ldy, accumulate);
-  if (g < t.groups) lanes512<Q4, S, NT, 1>(w, w16, t, n0, g, M, y, ldy, accumulate);
+  int64_t g = g0;
+  for (; g + 2 <= g1; g += 2) lanes512<Q4, S, NT, 2>(w, w16, t, n0, g, M, y, ldy, accumulate);
+  if (g < g1) lanes512<Q4, S, NT, 1>(w, w16, t, n0, g, M, y, ldy, accumulate);
 }
 
 template <bool Q4, typename S, int NT, int MT>
@@ -518,15 +519,24 @@ void rows(const QWeights& w, const QAct& a, int64_t n0, int64_t M, float* y, boo
 #if defined(KVPOOL_QGEMM_AVX512)
 // The lanes kernel for the weights' kind and scale type (as rows<NT> for the per-row tiles).
 template <int NT>
-void lanes_tile(const QWeights& w, const LaneAct& t, int16_t* w16, int64_t n0, int64_t M,
-                float* y, bool acc) {
+void lanes_tile(const QWeights& w, const LaneAct& t, int16_t* w16, int64_t n0, int64_t g0,
+                int64_t g1, int64_t M, float* y, bool acc) {
   if (w.q4) {
-    w.half ? lanes_rows<true, uint16_t, NT>(w, t, w16, n0, M, y, w.N, acc)
-           : lanes_rows<true, float, NT>(w, t, w16, n0, M, y, w.N, acc);
+    w.half ? lanes_rows<true, uint16_t, NT>(w, t, w16, n0, g0, g1, M, y, w.N, acc)
+           : lanes_rows<true, float, NT>(w, t, w16, n0, g0, g1, M, y, w.N, acc);
   } else {
-    w.half ? lanes_rows<false, uint16_t, NT>(w, t, w16, n0, M, y, w.N, acc)
-           : lanes_rows<false, float, NT>(w, t, w16, n0, M, y, w.N, acc);
+    w.half ? lanes_rows<false, uint16_t, NT>(w, t, w16, n0, g0, g1, M, y, w.N, acc)
+           : lanes_rows<false, float, NT>(w, t, w16, n0, g0, g1, M, y, w.N, acc);
   }
+}
+
+// Groups of 16 rows whose activations (int16) take about LANES_SLICE bytes: a prompt's
+// thousands of rows are run a slice at a time, all of a thread's weight rows against each,
+// so the slice stays in the core's L2 cache instead of being streamed once per weight tile.
+constexpr int64_t LANES_SLICE = 384 * 1024;
+
+int64_t slice_groups(int64_t K) {
+  return std::max<int64_t>(2, LANES_SLICE / (K * 2 * 16) / 2 * 2);
 }
 #endif
 
@@ -538,14 +548,19 @@ void run(const QWeights& w, const QAct& a, int64_t M, float* y, bool acc, bool p
 #if defined(KVPOOL_QGEMM_AVX512)
   if (wide && !portable && lanes_from > 0 && M >= lanes_from) {
     const LaneAct t = lanes_of(a, M, w.K);
+    const int64_t slice = slice_groups(w.K);
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       std::vector<int16_t> w16(step * w.K);
-      for (int64_t tile = begin; tile < end; ++tile) {
-        const int64_t n0 = tile * step, nt = std::min(step, w.N - n0);
-        if (nt == 4) {
-          lanes_tile<4>(w, t, w16.data(), n0, M, y, acc);
-        } else {
-          for (int64_t n = n0; n < n0 + nt; ++n) lanes_tile<1>(w, t, w16.data(), n, M, y, acc);
+      for (int64_t g0 = 0; g0 < t.groups; g0 += slice) {
+        const int64_t g1 = std::min(t.groups, g0 + slice);
+        for (int64_t tile = begin; tile < end; ++tile) {
+          const int64_t n0 = tile * step, nt = std::min(step, w.N - n0);
+          if (nt == 4) {
+            lanes_tile<4>(w, t, w16.data(), n0, g0, g1, M, y, acc);
+          } else {
+            for (int64_t n = n0; n < n0 + nt; ++n)
+              lanes_tile<1>(w, t, w16.data(), n, g0, g1, M, y, acc);
+          }
         }
       }
     });
