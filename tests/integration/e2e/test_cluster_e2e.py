@@ -125,7 +125,8 @@ def test_multi_turn_chat_reuses_the_prefix_and_matches_one_engine(client, refere
 def test_prefix_computed_on_one_prefill_worker_is_loaded_by_the_other(cluster, client):
     url = cluster[1]
     before = counters(url)
-    shared = "Background: " + "the river flows north through the old valley. " * 12
+    # long enough that loading it pays against recomputing it (the fetch policy decides)
+    shared = "Background: " + "the river flows north through the old valley. " * 40
     outs = []
     for q in ["Where does the river flow?", "What is old?"]:  # round robin: one per worker
         outs.append(client.completions.create(model=MODEL, prompt=shared + q, max_tokens=4,
