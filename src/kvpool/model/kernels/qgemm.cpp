@@ -381,10 +381,17 @@ inline __m512i dot_pairs(__m512i acc, __m512i x, __m512i w) {
 #endif
 }
 
+// Where the lanes kernel writes: output (m, n) at p[(m - m0) * ld + n - n0] (a thread's
+// buffer for a slice of rows and a block of columns, copied to y once complete).
+struct LaneOut {
+  float* p;
+  int64_t ld, m0, n0;
+};
+
 // NT weight rows (widened in w16) against G groups of 16 rows starting at group g0.
 template <bool Q4, typename S, int NT, int G>
 void lanes512(const QWeights& w, const int16_t* w16, const LaneAct& t, int64_t n0, int64_t g0,
-              int64_t M, float* y, int64_t ldy, bool accumulate) {
+              int64_t M, const LaneOut& out) {
   const int64_t K = w.K, nb = w.nb, pairs = K / 2;
   __m512 acc[NT][G];
   for (int i = 0; i < NT; ++i)
@@ -427,21 +434,19 @@ void lanes512(const QWeights& w, const int16_t* w16, const LaneAct& t, int64_t n
     for (int g = 0; g < G; ++g) {
       _mm512_store_ps(v, acc[i][g]);
       const int64_t m0 = (g0 + g) * 16, rows = std::min<int64_t>(16, M - m0);
-      for (int64_t l = 0; l < rows; ++l) {
-        float* out = y + (m0 + l) * ldy + n0 + i;
-        *out = accumulate ? *out + v[l] : v[l];
-      }
+      float* dst = out.p + (m0 - out.m0) * out.ld + (n0 + i - out.n0);
+      for (int64_t l = 0; l < rows; ++l) dst[l * out.ld] = v[l];
     }
 }
 
 // NT weight rows against the groups [g0, g1).
 template <bool Q4, typename S, int NT>
 void lanes_rows(const QWeights& w, const LaneAct& t, int16_t* w16, int64_t n0, int64_t g0,
-                int64_t g1, int64_t M, float* y, int64_t ldy, bool accumulate) {
+                int64_t g1, int64_t M, const LaneOut& out) {
   widen_rows<Q4>(w, n0, NT, w16);
   int64_t g = g0;
-  for (; g + 2 <= g1; g += 2) lanes512<Q4, S, NT, 2>(w, w16, t, n0, g, M, y, ldy, accumulate);
-  if (g < g1) lanes512<Q4, S, NT, 1>(w, w16, t, n0, g, M, y, ldy, accumulate);
+  for (; g + 2 <= g1; g += 2) lanes512<Q4, S, NT, 2>(w, w16, t, n0, g, M, out);
+  if (g < g1) lanes512<Q4, S, NT, 1>(w, w16, t, n0, g, M, out);
 }
 
 template <bool Q4, typename S, int NT, int MT>
@@ -520,13 +525,13 @@ void rows(const QWeights& w, const QAct& a, int64_t n0, int64_t M, float* y, boo
 // The lanes kernel for the weights' kind and scale type (as rows<NT> for the per-row tiles).
 template <int NT>
 void lanes_tile(const QWeights& w, const LaneAct& t, int16_t* w16, int64_t n0, int64_t g0,
-                int64_t g1, int64_t M, float* y, bool acc) {
+                int64_t g1, int64_t M, const LaneOut& out) {
   if (w.q4) {
-    w.half ? lanes_rows<true, uint16_t, NT>(w, t, w16, n0, g0, g1, M, y, w.N, acc)
-           : lanes_rows<true, float, NT>(w, t, w16, n0, g0, g1, M, y, w.N, acc);
+    w.half ? lanes_rows<true, uint16_t, NT>(w, t, w16, n0, g0, g1, M, out)
+           : lanes_rows<true, float, NT>(w, t, w16, n0, g0, g1, M, out);
   } else {
-    w.half ? lanes_rows<false, uint16_t, NT>(w, t, w16, n0, g0, g1, M, y, w.N, acc)
-           : lanes_rows<false, float, NT>(w, t, w16, n0, g0, g1, M, y, w.N, acc);
+    w.half ? lanes_rows<false, uint16_t, NT>(w, t, w16, n0, g0, g1, M, out)
+           : lanes_rows<false, float, NT>(w, t, w16, n0, g0, g1, M, out);
   }
 }
 
@@ -538,6 +543,11 @@ constexpr int64_t LANES_SLICE = 384 * 1024;
 int64_t slice_groups(int64_t K) {
   return std::max<int64_t>(2, LANES_SLICE / (K * 2 * 16) / 2 * 2);
 }
+
+// Tiles whose outputs a thread collects before writing them to y: 16 columns, a cache line
+// of each row. Written straight from the kernel, four floats at a time, rows whose stride is a
+// multiple of 4 KiB (N = 1,024 or 3,072) all fall in one cache set and evict each other.
+constexpr int64_t LANES_BLOCK = 4;
 #endif
 
 void run(const QWeights& w, const QAct& a, int64_t M, float* y, bool acc, bool portable,
@@ -548,18 +558,27 @@ void run(const QWeights& w, const QAct& a, int64_t M, float* y, bool acc, bool p
 #if defined(KVPOOL_QGEMM_AVX512)
   if (wide && !portable && lanes_from > 0 && M >= lanes_from) {
     const LaneAct t = lanes_of(a, M, w.K);
-    const int64_t slice = slice_groups(w.K);
+    const int64_t slice = slice_groups(w.K), cols = LANES_BLOCK * step;
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       std::vector<int16_t> w16(step * w.K);
+      std::vector<float> buf(slice * 16 * cols);
       for (int64_t g0 = 0; g0 < t.groups; g0 += slice) {
         const int64_t g1 = std::min(t.groups, g0 + slice);
-        for (int64_t tile = begin; tile < end; ++tile) {
-          const int64_t n0 = tile * step, nt = std::min(step, w.N - n0);
-          if (nt == 4) {
-            lanes_tile<4>(w, t, w16.data(), n0, g0, g1, M, y, acc);
-          } else {
-            for (int64_t n = n0; n < n0 + nt; ++n)
-              lanes_tile<1>(w, t, w16.data(), n, g0, g1, M, y, acc);
+        const int64_t m0 = g0 * 16, m1 = std::min(M, g1 * 16);
+        for (int64_t b0 = begin; b0 < end; b0 += LANES_BLOCK) {
+          const int64_t c0 = b0 * step, c1 = std::min(w.N, std::min(end, b0 + LANES_BLOCK) * step);
+          const LaneOut out{buf.data(), cols, m0, c0};
+          for (int64_t n0 = c0; n0 < c1; n0 += step) {
+            if (c1 - n0 >= step) {
+              lanes_tile<4>(w, t, w16.data(), n0, g0, g1, M, out);
+            } else {
+              for (int64_t n = n0; n < c1; ++n) lanes_tile<1>(w, t, w16.data(), n, g0, g1, M, out);
+            }
+          }
+          for (int64_t m = m0; m < m1; ++m) {
+            const float* src = buf.data() + (m - m0) * cols;
+            float* dst = y + m * w.N + c0;
+            for (int64_t c = 0; c < c1 - c0; ++c) dst[c] = acc ? dst[c] + src[c] : src[c];
           }
         }
       }
