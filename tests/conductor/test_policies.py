@@ -190,6 +190,13 @@ def test_short_remainders_skip_the_prefill_hand_off():
         ws, nearly_cached, 0
     )
     assert always.prefill is not None
+    # a decode worker stepping 16 streams would start the remainder a step later than the
+    # idle prefill worker: the prefill worker takes it (the decode batch keeps its pace)
+    busy = snap(worker("p"), worker("d", role="decode", running=16))
+    handed = Router(get_policy("cache_aware"), slo, decode_prefill_tokens=64).route(
+        busy, nearly_cached, 0
+    )
+    assert handed.prefill is not None and handed.prefill.worker_id == "p"
     with pytest.raises(ValueError):
         Router(get_policy("cache_aware"), slo, decode_prefill_tokens=-1)
 

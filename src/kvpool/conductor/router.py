@@ -48,8 +48,11 @@ class Route:
 class Router:
     """``decode_prefill_tokens``: when the decode worker would have at most this many prompt
     tokens left to compute after loading what its cache and the pool hold (a new chat turn on
-    a known conversation, say), it computes them itself and the prefill hand-off is skipped:
-    one hop less for TTFT, a short chunk more in the decode batch (0: always hand off)."""
+    a known conversation, say), and its predicted TTFT is no later than the prefill worker's,
+    it computes them itself and the prefill hand-off is skipped: one hop less, a short chunk
+    more in the decode batch (0: always hand off). A decode worker that is stepping streams
+    adds a step to its prediction, so under load an idle prefill worker takes the remainder
+    (and the decode batch keeps its pace); when decode is idle, the remainder stays there."""
 
     def __init__(self, policy: Policy, slo: SLOConfig | None = None,
                  decode_prefill_tokens: int = 0) -> None:  # fmt: skip
@@ -70,8 +73,9 @@ class Router:
             at_decode = predicted_ttft(snap, self._view(snap, dec.worker_id), req)
             left = req.num_prompt_tokens - (at_decode.local_blocks + at_decode.pool_blocks) * \
                 req.block_size  # fmt: skip
-            if pre is not None and left <= self.decode_prefill_tokens:
-                pre = None  # a short remainder: cheaper on the decode worker than a hand-off
+            if pre is not None and left <= self.decode_prefill_tokens and \
+                    at_decode.predicted_s <= pre.predicted_s:  # fmt: skip
+                pre = None  # a short remainder, ready no later on the decode worker
             # no prefill worker (left, or needed): the decode worker computes the prompt
             ttft = at_decode.predicted_s if pre is None else pre.predicted_s
         elif pre is not None:  # colocated workers (or every decode worker is gone)

@@ -25,8 +25,6 @@ import torch
 
 from kvpool.model.quant import BlockWeights
 
-LANES_FROM = 12  # kernels.h's default
-
 
 class DenseLinear:
     __slots__ = ("bias", "w_t")
@@ -50,12 +48,12 @@ class DenseLinear:
         return {"w_t": self.w_t, "bias": self.bias, "qs": None}
 
 
-def _lanes_from(prompt: bool) -> int:
+def _lanes(prompt: bool) -> dict:
     """The kernel's lanes path computes each row alike whatever the batch's size (the per-row
     tiles round in another order): a prompt step takes it for any number of rows, so a prompt's
-    results do not depend on its chunks' sizes; decode batches from ``LANES_FROM`` rows on,
-    where it is the faster one."""
-    return 1 if prompt else LANES_FROM
+    results do not depend on its chunks' sizes; decode batches keep the kernel's default (the
+    lanes path from ``LANES_FROM`` rows on, ``kernels.h``, where it is the faster one)."""
+    return {"lanes_from": 1} if prompt else {}
 
 
 class BlockLinear:
@@ -80,7 +78,7 @@ class BlockLinear:
         if self._big(x, prompt):
             return self.large(x)  # type: ignore[operator]
         w = self.weights
-        y = self.kernels.qlinear(x, w.qs, w.d, w.m, lanes_from=_lanes_from(prompt))
+        y = self.kernels.qlinear(x, w.qs, w.d, w.m, **_lanes(prompt))
         return y if self.bias is None else y.add_(self.bias)
 
     def add_to(self, h: torch.Tensor, x: torch.Tensor, prompt: bool = False) -> torch.Tensor:
@@ -88,7 +86,7 @@ class BlockLinear:
             return self.large.add_to(h, x)  # type: ignore[union-attr]
         w = self.weights
         assert self.bias is None
-        return self.kernels.qlinear(x, w.qs, w.d, w.m, h, lanes_from=_lanes_from(prompt))
+        return self.kernels.qlinear(x, w.qs, w.d, w.m, h, **_lanes(prompt))
 
     @property
     def nbytes(self) -> int:
