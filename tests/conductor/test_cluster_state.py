@@ -128,6 +128,25 @@ def test_step_model_fits_measured_steps():
     assert same.fit().prefill_token_s == same.prior.prefill_token_s
 
 
+def test_step_costs_leave_the_prior_as_soon_as_there_are_enough_samples():
+    """A new engine's first load-or-recompute decisions use its measured steps, not the prior
+    (refitting only every REFIT_STEPS steps kept a decode step of the prior's 32 ms for the
+    first 32 steps where this machine takes 9)."""
+    from collections import deque
+
+    from kvpool.engine.step_model import MIN_SAMPLES, StepCosts
+
+    samples: deque = deque(maxlen=512)
+    costs = StepCosts(samples, steps=lambda: len(samples), running=lambda: 1)
+    assert costs.step_s() == costs.model.prior.decode_step_s(1)  # nothing measured yet
+    for i in range(MIN_SAMPLES):
+        samples.append((0, 1 + i % 3, 0.005 + 0.002 * (1 + i % 3)))  # decode steps
+        samples.append((16 * (1 + i % 4), 1, 0.01 + 0.002 + 0.001 * 16 * (1 + i % 4)))
+    assert costs.step_s() == pytest.approx(0.007, rel=1e-3)  # 2 * MIN_SAMPLES steps < 32
+    # 1 ms a token; the prior's 32 ms decode step, subtracted from these steps, gave 0.015
+    assert costs.prefill_s(32) == pytest.approx(0.032, rel=0.15)
+
+
 def test_step_model_is_not_fooled_by_noise_over_one_prompt_length():
     """Prefills of 262..270 tokens whose times wobble with machine load (the longer ones
     happened to run alone): the least-squares line slopes down and its intercept is seconds.

@@ -87,9 +87,7 @@ class StepCosts:
         fixed cost (paid anyway). From recent steps that prefilled about as many tokens (half
         to twice: a prompt's per-token cost grows with its length), else the fitted per-token
         slope."""
-        steps = self._steps()
-        if steps - self._fit_step >= self.REFIT_STEPS:
-            self.fit, self._fit_step = self.model.fit(), steps
+        self._refit()
         if num_tokens <= 0:
             return 0.0
         fit = self.fit
@@ -103,4 +101,16 @@ class StepCosts:
         """Predicted seconds of the step the engine runs now (its running batch decoding; 0
         when nothing runs: then a finished load is picked up at once)."""
         running = self._running()
-        return self.fit.decode_step_s(running) if running else 0.0
+        if not running:
+            return 0.0
+        self._refit()
+        return self.fit.decode_step_s(running)
+
+    def _refit(self) -> None:
+        """Every ``REFIT_STEPS`` steps, and as soon as there are enough samples to replace
+        the prior (a new engine's first decisions would otherwise use guesses for 32 steps:
+        a decode step 3x what it takes here once decided a short prefix's load)."""
+        steps = self._steps()
+        on_prior = self.fit is self.model.prior and len(self.samples) >= MIN_SAMPLES
+        if on_prior or steps - self._fit_step >= self.REFIT_STEPS:
+            self.fit, self._fit_step = self.model.fit(), steps

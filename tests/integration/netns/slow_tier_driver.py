@@ -69,9 +69,11 @@ LENGTHS = {"short": 33, "long": 513}  # 2 and 32 full blocks, then one token to 
 
 
 def fitted(eng: LLMEngine, rng: random.Random) -> LLMEngine:
-    """``eng`` after three prompts of new lengths: its step-cost model fits their prefills (and
-    an engine with the pool, the second to see them, measures their loads)."""
-    for n in (65, 257, 401):
+    """``eng`` after four prompts of new lengths, from 2 to 25 blocks: its step-cost model fits
+    their prefills (and an engine with the pool, the second to see them, measures their loads,
+    short ones too: fitted to 4-25 blocks only, the line's intercept put a 2-block load at twice
+    its time, and with prompts on the block kernel that tipped the short prefix to recompute)."""
+    for n in (33, 65, 257, 401):
         ttft(eng, [rng.randrange(1000, 20000) for _ in range(n)], rng)
     return eng
 
