@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +25,20 @@ def test_load_cost_model_separates_latency_from_bandwidth():
     one = LoadCostModel()
     one.observe(100 * KB, 0.01)  # one size only: proportional
     assert one.predict(50 * KB) == pytest.approx(0.005)
+
+
+def test_load_cost_model_never_predicts_a_small_load_slower_than_a_larger_one_seen():
+    # loads of 4-25 blocks whose times are noisy: the least-squares intercept alone sets the
+    # prediction below 4 blocks, and here it overshoots; the fastest 4-block load caps it
+    m = LoadCostModel()
+    for n, seconds in ((4, 0.030), (4, 0.031), (10, 0.045), (16, 0.046), (25, 0.050)):
+        m.observe(n * 100 * KB, seconds)
+    per_byte, latency = np.polyfit([4e5, 4e5, 1e6, 1.6e6, 2.5e6],
+                                   [0.030, 0.031, 0.045, 0.046, 0.050], 1)  # fmt: skip
+    assert latency + per_byte * 2e5 > 0.030  # what the fit alone would say for 2 blocks
+    assert m.predict(2 * 100 * KB) == pytest.approx(0.030)
+    # within the measured sizes the fit stands where no larger load was faster
+    assert m.predict(20 * 100 * KB) == pytest.approx(latency + per_byte * 2e6)
 
 
 def policy(latency_s: float, per_block_s: float, compute_token_s: float, step_s: float = 0.02):

@@ -61,7 +61,11 @@ class LoadCostModel:
                 self.last_sample = time.monotonic()
 
     def predict(self, nbytes: int) -> float | None:
-        """Seconds to load ``nbytes``; None before any measurement."""
+        """Seconds to load ``nbytes``; None before any measurement. Never more than the
+        fastest load seen of at least as many bytes: below the smallest loads measured, the
+        fit's intercept alone decides, and a few noisy samples far from zero can put it
+        at several times a small load's real time (fitted to 4-25-block loads, a 2-block
+        load was predicted at twice what it took)."""
         with self._lock:
             if not self._samples:
                 return None
@@ -70,7 +74,9 @@ class LoadCostModel:
         if len(data) >= 3 and np.ptp(x) > 0.2 * float(np.mean(x)):
             per_byte, latency = np.polyfit(x, y, 1)
             if per_byte > 0 and latency >= 0:
-                return float(latency + per_byte * nbytes)
+                larger = y[x >= nbytes]
+                fit = float(latency + per_byte * nbytes)
+                return min(fit, float(larger.min())) if larger.size else fit
         # one size seen (or a fit that makes no sense): proportional to the bytes
         return float(np.sum(y) / np.sum(x) * nbytes)
 
