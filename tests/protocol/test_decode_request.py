@@ -6,7 +6,7 @@ import pytest
 
 from kvpool.common.errors import ProtocolError
 from kvpool.common.rpc import pack, unpack
-from kvpool.protocol.decode import DecodeRequest, HandleBlock, KVHandle
+from kvpool.protocol.decode import DecodeRequest, HandleBlock, HandleTail, KVHandle
 
 HANDLE = KVHandle("kv-abc", "owner1", 4096, (HandleBlock(0, 7, b"\x01" * 16, 123),
                                               HandleBlock(1, 9, b"\x02" * 16, 2**63)))  # fmt: skip
@@ -25,6 +25,9 @@ def test_round_trip():
     wide = DecodeRequest("r4", "completion", [5, 6], {"n": 3, "logprobs": 1},
                          more_token_ids=[[7], [8, 9]], echo=True, prompt_only=True)  # fmt: skip
     assert DecodeRequest.from_wire(unpack(pack(wide.to_wire()))) == wide
+    tailed = DecodeRequest("r5", "chat", [1, 2, 3], {}, kv_handle=KVHandle(
+        "kv-abc", "owner1", 4096, HANDLE.blocks, HandleTail(2, 11, 3, 2**64 - 1)))  # fmt: skip
+    assert DecodeRequest.from_wire(unpack(pack(tailed.to_wire()))) == tailed
     old = bare.to_wire()  # from a conductor that knows none of these fields
     for key in ("more_token_ids", "echo", "prompt_only"):
         del old[key]
@@ -46,6 +49,11 @@ def test_round_trip():
         lambda d: d["kv_handle"].update(blocks=[[0, -1, "00", 5]]),
         lambda d: d["kv_handle"].update(blocks=[[0, 1, "00"]]),
         lambda d: d.update(kv_handle="here"),
+        lambda d: d["kv_handle"].update(tail=[2, 11, 0, 5]),  # a tail of no tokens
+        lambda d: d["kv_handle"].update(tail=[2, 11, 3]),
+        lambda d: d["kv_handle"].update(tail=[2, -1, 3, 5]),
+        lambda d: d["kv_handle"].update(tail=[2, True, 3, 5]),
+        lambda d: d["kv_handle"].update(tail={"index": 2}),
         lambda d: d.update(first_token=3, response_id="c", created=1),  # not a stream
         lambda d: d.update(stream=True, first_token=3),  # no id and time to go on with
         lambda d: d.update(stream=True, first_token=-3, response_id="c", created=1),

@@ -113,3 +113,49 @@ def test_a_handle_for_other_tokens_is_not_used(pool, tiny_engine_factory, decode
     assert b_conn.direct.read_blocks == 0 and b_conn.direct.fallbacks == 0
     a.close()
     a_client.close()
+
+
+def test_a_hand_off_reads_the_prompts_partial_last_block_too(pool, tiny_engine_factory, decode):
+    # as a prefill worker hands off: the prompt (41 tokens: 10 blocks of 4 and one token) with
+    # one new token; the decode engine goes on from prompt + that token and computes only that
+    # token: the partial block comes from the prefill engine, checked against this prompt
+    prompt = prompt_of(6)
+    client = client_of(pool)
+    conn = StoreConnector(client)
+    a = tiny_engine_factory(connector=conn)
+    cold = run(a, prompt, "cold").outputs[0].token_ids
+    a.reset_prefix_cache()
+    conn.expect_tail("handoff")
+    a.add_request("handoff", prompt, SamplingParams(temperature=0, max_tokens=1))
+    while a.has_unfinished_requests():
+        first = a.step() or None
+        if first:
+            t1 = first[0].outputs[0].token_ids[0]
+    hashes = block_hashes(prompt, 4, a.kv_manager.hash_seed)
+    assert conn.wait_saved(hashes, 10)
+    handle = conn.kv_handle(hashes, conn.take_tail("handoff"))
+    assert handle.tail is not None and (handle.tail.index, handle.tail.tokens) == (10, 1)
+    assert KVHandle.from_wire(handle.to_wire()) == handle
+    assert t1 == cold[0]
+    b, b_conn = decode
+    b.add_request("d", [*prompt, t1], SamplingParams(temperature=0, max_tokens=5,
+                                                     ignore_eos=True), kv_handle=handle)  # fmt: skip
+    outs = []
+    while b.has_unfinished_requests():
+        outs = b.step() or outs
+    assert outs[-1].outputs[0].token_ids == cold[1:]
+    assert outs[-1].num_cached_tokens == 41  # the whole prompt; only the first token computed
+    assert b_conn.direct.tail_reads == 1 and b_conn.direct.tail_misses == 0
+    # the same hand-off after the prefill engine reused that block: checked, then computed
+    b.reset_prefix_cache()
+    for i in range(6):
+        run(a, prompt_of(200 + i, 80), f"other{i}")
+    b.add_request("d2", [*prompt, t1], SamplingParams(temperature=0, max_tokens=5,
+                                                      ignore_eos=True), kv_handle=handle)  # fmt: skip
+    outs = []
+    while b.has_unfinished_requests():
+        outs = b.step() or outs
+    assert outs[-1].outputs[0].token_ids == cold[1:]
+    assert b_conn.direct.tail_misses == 1 and outs[-1].num_cached_tokens <= 40
+    a.close()
+    client.close()

@@ -302,6 +302,7 @@ class LLMEngine:
 
     def _finish(self, seq: Request) -> None:
         seq.status = RequestStatus.FINISHED
+        self.connector.request_done(seq)  # its blocks are still its own
         self.scheduler.finish(seq)
         group = seq.group
         if group.group_finished():

@@ -201,6 +201,11 @@ class Scheduler:
             computed = hit.num_tokens + self._load_external(req, start, count)
             req.num_computed_tokens = computed
             n = min(req.num_tokens - computed, budget)
+        tail = self._load_tail(req, computed)
+        if tail:
+            computed += tail
+            req.num_computed_tokens = computed
+            n = min(req.num_tokens - computed, budget)
         self._count_admission(req, hit.num_tokens, computed)
         self.kv.cache_full_blocks(req, computed)  # loaded blocks: no need to save them back
         self._start(out, req, computed, n)
@@ -241,6 +246,20 @@ class Scheduler:
         if n is None:
             return None, load_async
         return max(0, min(n // bs, max_blocks - hit_tokens // bs)) * bs, load_async
+
+    def _load_tail(self, req: Request, computed: int) -> int:
+        """The prompt's partial last block from the connector (a prefill worker's hand-off)
+        once the full blocks before it are in place; the tokens it holds (0: none)."""
+        bs = self.kv.block_size
+        index = computed // bs
+        if req.needs_prompt_logprobs or computed % bs or index >= len(req.block_ids):
+            return 0
+        try:
+            return self.connector.load_tail(req, computed, req.block_ids[index])
+        except Exception:
+            logger.exception("KV connector tail load failed for %s; computing it",
+                             req.request_id)  # fmt: skip
+            return 0
 
     def _refs(self, req: Request, start: int, n: int) -> list[BlockRef]:
         bs = self.kv.block_size
@@ -306,6 +325,8 @@ class Scheduler:
         if n < load.num_blocks:
             self.stats.loads_partial += 1
         computed = load.hit_tokens + n * self.kv.block_size
+        if n == load.num_blocks:  # the whole prefix arrived: its partial last block too?
+            computed += self._load_tail(req, computed)
         req.num_computed_tokens = computed
         self.kv.cache_full_blocks(req, computed)  # the loaded ones only; the rest is computed
         self._count_admission(req, load.hit_tokens, computed)

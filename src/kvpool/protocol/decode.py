@@ -31,19 +31,34 @@ class HandleBlock:
 
 
 @dataclass(slots=True, frozen=True)
+class HandleTail:
+    """The prompt's last, partial block (``tokens`` < block size): never pooled (it has no
+    chain hash), read only straight from the prefill worker, so the decode worker computes
+    just the answer's first token instead of the prompt's tail with it."""
+
+    index: int  # block index in the prompt (the number of full blocks before it)
+    block_id: int
+    tokens: int  # prompt tokens it holds
+    checksum: int  # of its object (header naming its tokens + payload), keyed by tail_key
+
+
+@dataclass(slots=True, frozen=True)
 class KVHandle:
     segment: str  # the prefill worker's registered KV tensor
     owner: str  # its transfer engine (a restarted worker is another owner)
     block_bytes: int
     blocks: tuple[HandleBlock, ...] = ()
+    tail: HandleTail | None = None
 
     def by_index(self) -> dict[int, HandleBlock]:
         return {b.index: b for b in self.blocks}
 
     def to_wire(self) -> dict:
+        t = self.tail
         return {"segment": self.segment, "owner": self.owner, "block_bytes": self.block_bytes,
                 "blocks": [[b.index, b.block_id, b.block_hash.hex(), b.checksum]
-                           for b in self.blocks]}  # fmt: skip
+                           for b in self.blocks],
+                "tail": [t.index, t.block_id, t.tokens, t.checksum] if t else None}  # fmt: skip
 
     @classmethod
     def from_wire(cls, d: object) -> KVHandle:
@@ -64,7 +79,13 @@ class KVHandle:
                 out.append(HandleBlock(index, block_id, bytes.fromhex(h), checksum))
             except ValueError:
                 raise ProtocolError(f"malformed hand-off: block hash {h!r}") from None
-        return cls(seg, owner, size, tuple(out))
+        tail = d.get("tail")
+        if tail is not None:
+            _need(isinstance(tail, list) and len(tail) == 4
+                  and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                          for x in tail) and tail[2] > 0, f"kv_handle tail {tail!r}")  # fmt: skip
+            tail = HandleTail(*tail)
+        return cls(seg, owner, size, tuple(out), tail)
 
 
 @dataclass(slots=True)

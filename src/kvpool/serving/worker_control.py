@@ -85,6 +85,8 @@ class WorkerControl:
                 pool_errors=c.pool_errors,
                 direct_read_bytes=direct.read_bytes if direct is not None else 0,
                 direct_fallbacks=direct.fallbacks if direct is not None else 0,
+                direct_tail_reads=direct.tail_reads if direct is not None else 0,
+                direct_tail_misses=direct.tail_misses if direct is not None else 0,
                 pool_up=self.connector.pool_up(),
             )
         return out
@@ -106,6 +108,9 @@ class WorkerControl:
         eng.tokenize(token_ids)  # the checks of a request (400s), before anything is queued
         eng.check_length(len(token_ids), SamplingParams(max_tokens=1))
         t0 = time.perf_counter()
+        conn = self.connector
+        if conn is not None and conn.saves:
+            conn.expect_tail(request_id)  # its partial last block goes in the handle too
         future = asyncio.run_coroutine_threadsafe(self._prefill(request_id, token_ids),
                                                   self.loop)  # fmt: skip
         try:
@@ -113,13 +118,13 @@ class WorkerControl:
         except TimeoutError:
             future.cancel()
             raise KVPoolTimeoutError(f"prefill of {request_id} took over {timeout}s") from None
+        finally:
+            tail = conn.take_tail(request_id) if conn is not None and conn.saves else None
         saved, handle = True, None
-        if self.connector is not None and self.connector.saves:
+        if conn is not None and conn.saves:
             hashes = block_hashes(token_ids, eng.block_size, eng.kv_manager.hash_seed)
-            saved = self.connector.wait_saved(
-                hashes, max(1.0, timeout - (time.perf_counter() - t0))
-            )
-            handle = self.connector.kv_handle(hashes)  # the decode side may read them from us
+            saved = conn.wait_saved(hashes, max(1.0, timeout - (time.perf_counter() - t0)))
+            handle = conn.kv_handle(hashes, tail)  # the decode side may read them from us
         return {
             "kv_handle": handle.to_wire() if handle is not None else None,
             "prompt_tokens": len(token_ids),

@@ -96,7 +96,7 @@ def test_cluster_document_and_health(cluster):
     assert httpx.get(f"{cluster[1]}/health").json()["status"] == "ok"
 
 
-def test_multi_turn_chat_reuses_the_prefix_and_matches_one_engine(client, reference):
+def test_multi_turn_chat_reuses_the_prefix_and_matches_one_engine(cluster, client, reference):
     turn1 = [{"role": "system", "content": SYSTEM * 3},
              {"role": "user", "content": "What is the capital of France?"}]  # fmt: skip
     first = chat(client, turn1)
@@ -105,6 +105,7 @@ def test_multi_turn_chat_reuses_the_prefix_and_matches_one_engine(client, refere
     turn2 = [*turn1, {"role": "assistant", "content": answer},
              {"role": "user", "content": "And the capital of Italy?"}]  # fmt: skip
     early = first_tokens_from_prefill(client)
+    tails = counters(cluster[1])["decode-1"]
     stream = chat(client, turn2, stream=True, stream_options={"include_usage": True})
     text, usage, ids = "", None, set()
     for chunk in stream:
@@ -120,6 +121,11 @@ def test_multi_turn_chat_reuses_the_prefix_and_matches_one_engine(client, refere
     assert usage.completion_tokens == len(ref.token_ids) and len(ids) == 1  # one stream
     # its first token came from the prefill worker, sent by the conductor
     assert first_tokens_from_prefill(client) == early + 1
+    # and the decode worker read the prompt's partial last block from it too (when it has one:
+    # then it computed only that first token, with the same answer as one engine)
+    after = counters(cluster[1])["decode-1"]
+    if usage.prompt_tokens % 16:
+        assert after["direct_tail_reads"] == tails["direct_tail_reads"] + 1, after
 
 
 def test_prefix_computed_on_one_prefill_worker_is_loaded_by_the_other(cluster, client):

@@ -104,6 +104,15 @@ class KVConnector(ABC):
     def request_finished(self, request_id: str) -> None:  # noqa: B027
         """The request left the engine: cancel what is still queued for it."""
 
+    def request_done(self, request: Request) -> None:  # noqa: B027
+        """The request finished; called on the engine thread before its blocks are freed."""
+
+    def load_tail(self, request: Request, computed: int, block_id: int) -> int:
+        """The request's first ``computed`` tokens have their KV and the rest of its prompt
+        is less than a block: fill ``block_id`` with that partial block's KV now if the
+        connector has it (a prefill worker's hand-off); how many tokens it holds (0: none)."""
+        return 0
+
     # -- worker side --------------------------------------------------------------------------
 
     @abstractmethod

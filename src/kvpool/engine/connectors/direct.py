@@ -25,7 +25,7 @@ import numpy as np
 
 from kvpool.common.errors import KVPoolError
 from kvpool.engine.connectors.base import BlockRef
-from kvpool.protocol.decode import HandleBlock, KVHandle
+from kvpool.protocol.decode import HandleBlock, HandleTail, KVHandle
 from kvpool.transfer import Op, TransferRequest
 
 logger = logging.getLogger(__name__)
@@ -47,10 +47,14 @@ class DirectReads:
         self.timeout = timeout
         self.segment: str | None = None
         self._published: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+        self._want_tail: set[str] = set()  # hand-off prefills still running
+        self._tails: dict[str, HandleTail] = {}  # their recorded partial blocks, until taken
         self._lock = threading.Lock()
         self.read_blocks = 0  # blocks read directly and verified
         self.read_bytes = 0
         self.fallbacks = 0  # reads that stopped short (a reused block, a dead peer)
+        self.tail_reads = 0  # partial last blocks read and verified
+        self.tail_misses = 0  # partial blocks that did not arrive or check out (computed)
         self._s_per_byte = 1e-9  # measured read speed (EWMA); 1 GB/s before any read
 
     # -- prefill side -------------------------------------------------------------------------
@@ -71,8 +75,10 @@ class DirectReads:
             while len(self._published) > MAX_PUBLISHED:
                 self._published.popitem(last=False)
 
-    def handle(self, hashes: list[bytes]) -> KVHandle | None:
-        """A handle for the leading blocks of a prompt (chain ``hashes``) that were saved."""
+    def handle(self, hashes: list[bytes], tail: HandleTail | None = None) -> KVHandle | None:
+        """A handle for the leading blocks of a prompt (chain ``hashes``) that were saved,
+        and its partial last block (``take_tail``; the decode side uses it once it has the
+        full blocks before it, from wherever: its own cache, the pool, this handle)."""
         if self.segment is None:
             return None
         blocks = []
@@ -82,11 +88,69 @@ class DirectReads:
                 if entry is None:
                     break
                 blocks.append(HandleBlock(i, entry[0], h, entry[1]))
-        if not blocks:
+        if not blocks and tail is None:
             return None
-        return KVHandle(self.segment, self.engine.owner_id, self.block_bytes, tuple(blocks))
+        return KVHandle(self.segment, self.engine.owner_id, self.block_bytes, tuple(blocks),
+                        tail)  # fmt: skip
+
+    def expect_tail(self, request_id: str) -> None:
+        """``request_id`` is a hand-off prefill: record its partial last block when it ends."""
+        with self._lock:
+            self._want_tail.add(request_id)
+
+    def capture_tail(self, req, block_size: int) -> None:
+        """On the engine thread, as ``req`` finishes and before its blocks are freed: if it is
+        an expected hand-off with a partial last prompt block, record that block."""
+        rid = req.request_id
+        with self._lock:
+            if rid not in self._want_tail:
+                return
+            self._want_tail.discard(rid)
+        index, tokens = divmod(req.num_prompt_tokens, block_size)
+        if not tokens or self.segment is None or index >= len(req.block_ids) or \
+                index > len(req.block_hashes):  # fmt: skip
+            return
+        block_id = req.block_ids[index]
+        ref = BlockRef(block_id, tail_key(req.block_hashes[:index]),
+                       tuple(req.token_ids[index * block_size : req.num_prompt_tokens]))  # fmt: skip
+        checksum = self._checksum(ref.block_hash, [self._header(ref), self.kv[block_id]])
+        with self._lock:
+            self._tails[rid] = HandleTail(index, block_id, tokens, checksum)
+
+    def take_tail(self, request_id: str) -> HandleTail | None:
+        """The partial block recorded for ``request_id`` (once), and forget it was expected."""
+        with self._lock:
+            self._want_tail.discard(request_id)
+            return self._tails.pop(request_id, None)
 
     # -- decode side --------------------------------------------------------------------------
+
+    def read_tail(self, handle: KVHandle, hashes: list[bytes], tokens: tuple[int, ...],
+                  block_id: int, timeout: float | None = None) -> bool:  # fmt: skip
+        """Read the handle's partial block into ``block_id`` and check it against this
+        prompt: the chain ``hashes`` of the full blocks before it and its ``tokens``."""
+        t = handle.tail
+        if t is None or handle.block_bytes != self.block_bytes or t.index != len(hashes) or \
+                t.tokens != len(tokens):  # fmt: skip
+            return False
+        ref = BlockRef(block_id, tail_key(hashes), tokens)
+        req = TransferRequest(Op.READ, self.kv[block_id], handle.segment,
+                              t.block_id * self.block_bytes)  # fmt: skip
+        try:
+            self.engine.expect_owner(handle.segment, handle.owner)
+            (status,) = self.engine.transfer_statuses([req], timeout or self.timeout)
+        except KVPoolError as exc:
+            logger.info("direct read of a partial block from %s failed (%s); computing it",
+                        handle.segment, exc)  # fmt: skip
+            self.tail_misses += 1
+            return False
+        if status is None or not status.ok or \
+                self._checksum(ref.block_hash, [self._header(ref), self.kv[block_id]]) != t.checksum:  # fmt: skip
+            self.tail_misses += 1  # reused since the prefill (or torn): compute it
+            return False
+        self.tail_reads += 1
+        self.read_bytes += self.block_bytes
+        return True
 
     def predict_s(self, n_blocks: int) -> float:
         """Seconds a direct read of ``n_blocks`` is expected to take (measured)."""
@@ -141,3 +205,9 @@ class DirectReads:
         self.read_blocks += n
         self.read_bytes += n * self.block_bytes
         return n
+
+
+def tail_key(hashes: list[bytes]) -> bytes:
+    """What a partial block's checksum is keyed by: the chain hash of the full blocks before
+    it (so it checks out only under the same prefix), marked as a tail."""
+    return (hashes[-1] if hashes else b"") + b"/tail"

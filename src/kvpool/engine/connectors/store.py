@@ -33,6 +33,7 @@ from kvpool.engine.connectors.fetch_policy import PROBE_BLOCKS, FetchPolicy, Fet
 from kvpool.engine.connectors.prefetch import BACKGROUND_NICE, PoolView, Prefetcher
 from kvpool.engine.connectors.saves import Saver
 from kvpool.engine.request import Request
+from kvpool.protocol.decode import KVHandle
 from kvpool.protocol.kv_object import block_key, header_size, header_tokens, pack_header
 
 logger = logging.getLogger(__name__)
@@ -299,10 +300,35 @@ class StoreConnector(KVConnector):
                 return n
         return n + self._load_pool(blocks[n:], block_ids[n:])
 
-    def kv_handle(self, hashes: list[bytes]):
+    def kv_handle(self, hashes: list[bytes], tail=None):
         """Where this engine's saved blocks of a prompt (chain ``hashes``) are, for a decode
-        worker to read directly (None: nothing published)."""
-        return self.direct.handle(hashes) if self.direct is not None else None
+        worker to read directly (None: nothing published); ``tail``: its partial last block
+        (``take_tail``)."""
+        return self.direct.handle(hashes, tail) if self.direct is not None else None
+
+    def expect_tail(self, request_id: str) -> None:
+        if self.direct is not None:
+            self.direct.expect_tail(request_id)
+
+    def take_tail(self, request_id: str):
+        return self.direct.take_tail(request_id) if self.direct is not None else None
+
+    def request_done(self, request: Request) -> None:
+        if self.direct is not None:
+            self.direct.capture_tail(request, self.block_size)
+
+    def load_tail(self, request: Request, computed: int, block_id: int) -> int:
+        handle = getattr(request, "kv_handle", None)
+        if self.direct is None or not isinstance(handle, KVHandle) or handle.tail is None:
+            return 0
+        bs, t = self.block_size, handle.tail
+        if t.index * bs != computed or computed + t.tokens >= request.num_tokens or \
+                len(request.block_hashes) < t.index:  # fmt: skip
+            return 0
+        tokens = tuple(request.token_ids[computed : computed + t.tokens])
+        ok = self.direct.read_tail(handle, request.block_hashes[: t.index], tokens, block_id,
+                                   QUICK_TIMEOUT)  # fmt: skip
+        return t.tokens if ok else 0
 
     def _object_checksum(self, block_hash: bytes, parts: list) -> int:
         return self.client.io.checksum(block_key(block_hash), parts)
