@@ -197,6 +197,18 @@ def test_short_remainders_skip_the_prefill_hand_off():
         busy, nearly_cached, 0
     )
     assert handed.prefill is not None and handed.prefill.worker_id == "p"
+    # with streams running, its step would be a gap in each: handed off even when the prefill
+    # worker's queue makes the TTFT later, unless that breaks the TTFT SLO and keeping it
+    # does not
+    queued = snap(worker("p", queued=100), worker("d", role="decode", running=2))
+    router = Router(get_policy("cache_aware"), slo, decode_prefill_tokens=64)
+    assert router.route(queued, nearly_cached, 0).prefill is not None
+    swamped = snap(worker("p", queued=5000), worker("d", role="decode", running=2))
+    assert router.route(swamped, nearly_cached, 0).prefill is not None  # no SLO to break
+    with_slo = Router(get_policy("cache_aware"), SLOConfig(ttft_s=1.0, tbt_s=None),
+                      decode_prefill_tokens=64)  # fmt: skip
+    assert with_slo.route(swamped, nearly_cached, 0).prefill is None  # 5 s there: kept
+    assert with_slo.route(queued, nearly_cached, 0).prefill is not None
     with pytest.raises(ValueError):
         Router(get_policy("cache_aware"), slo, decode_prefill_tokens=-1)
 

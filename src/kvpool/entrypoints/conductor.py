@@ -24,7 +24,8 @@ def add_conductor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tbt", type=float, default=2.0, help="TBT SLO, seconds (0: off)")
     p.add_argument("--decode-prefill-tokens", type=int, default=64, metavar="N",
                    help="skip the prefill hand-off when the decode worker has at most N "
-                        "prompt tokens left to compute after its cache and the pool "
+                        "prompt tokens left to compute after its cache and the pool and "
+                        "decodes no stream (or handing off would break --slo-ttft) "
                         "(default %(default)s; 0: always hand off)")  # fmt: skip
     p.add_argument("--max-inflight", type=int, default=64,
                    help="requests in flight before new ones get 429 (default %(default)s)")  # fmt: skip
