@@ -322,9 +322,10 @@ class StoreConnector(KVConnector):
         if self.direct is None or not isinstance(handle, KVHandle) or handle.tail is None:
             return 0
         bs, t = self.block_size, handle.tail
-        if t.index * bs != computed or computed + t.tokens >= request.num_tokens or \
+        if t.index * bs != computed or t.tokens >= bs or \
+                computed + t.tokens >= request.num_tokens or \
                 len(request.block_hashes) < t.index:  # fmt: skip
-            return 0
+            return 0  # not this prompt's partial block (or not one at all: a bad handle)
         tokens = tuple(request.token_ids[computed : computed + t.tokens])
         ok = self.direct.read_tail(handle, request.block_hashes[: t.index], tokens, block_id,
                                    QUICK_TIMEOUT)  # fmt: skip
