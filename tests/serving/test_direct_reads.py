@@ -30,8 +30,8 @@ def client_of(pool) -> StoreClient:
     return StoreClient(pool.server.address, TransferConfig(transport="tcp"))
 
 
-def run(eng, prompt, rid="r", kv_handle=None):
-    eng.add_request(rid, prompt, SP, kv_handle=kv_handle)
+def run(eng, prompt, rid="r", kv_handle=None, params=SP):
+    eng.add_request(rid, prompt, params, kv_handle=kv_handle)
     outs = []
     while eng.has_unfinished_requests():
         outs = eng.step() or outs
@@ -115,6 +115,12 @@ def test_a_handle_for_other_tokens_is_not_used(pool, tiny_engine_factory, decode
     a_client.close()
 
 
+def go_on(eng, rid, ids, handle):
+    """A decode worker going on from a prompt and its first token (5 more tokens)."""
+    return run(eng, ids, rid, handle, SamplingParams(temperature=0, max_tokens=5,
+                                                     ignore_eos=True))  # fmt: skip
+
+
 def test_a_hand_off_reads_the_prompts_partial_last_block_too(pool, tiny_engine_factory, decode):
     # as a prefill worker hands off: the prompt (41 tokens: 10 blocks of 4 and one token) with
     # one new token; the decode engine goes on from prompt + that token and computes only that
@@ -138,24 +144,16 @@ def test_a_hand_off_reads_the_prompts_partial_last_block_too(pool, tiny_engine_f
     assert KVHandle.from_wire(handle.to_wire()) == handle
     assert t1 == cold[0]
     b, b_conn = decode
-    b.add_request("d", [*prompt, t1], SamplingParams(temperature=0, max_tokens=5,
-                                                     ignore_eos=True), kv_handle=handle)  # fmt: skip
-    outs = []
-    while b.has_unfinished_requests():
-        outs = b.step() or outs
-    assert outs[-1].outputs[0].token_ids == cold[1:]
-    assert outs[-1].num_cached_tokens == 41  # the whole prompt; only the first token computed
+    out = go_on(b, "d", [*prompt, t1], handle)
+    assert out.outputs[0].token_ids == cold[1:]
+    assert out.num_cached_tokens == 41  # the whole prompt; only the first token computed
     assert b_conn.direct.tail_reads == 1 and b_conn.direct.tail_misses == 0
     # the same hand-off after the prefill engine reused that block: checked, then computed
     b.reset_prefix_cache()
     for i in range(6):
         run(a, prompt_of(200 + i, 80), f"other{i}")
-    b.add_request("d2", [*prompt, t1], SamplingParams(temperature=0, max_tokens=5,
-                                                      ignore_eos=True), kv_handle=handle)  # fmt: skip
-    outs = []
-    while b.has_unfinished_requests():
-        outs = b.step() or outs
-    assert outs[-1].outputs[0].token_ids == cold[1:]
-    assert b_conn.direct.tail_misses == 1 and outs[-1].num_cached_tokens <= 40
+    out = go_on(b, "d2", [*prompt, t1], handle)
+    assert out.outputs[0].token_ids == cold[1:]
+    assert b_conn.direct.tail_misses == 1 and out.num_cached_tokens <= 40
     a.close()
     client.close()
