@@ -59,6 +59,16 @@ def reference():
     return LLM(kv_cache_memory_bytes="128MiB")
 
 
+def fetch_decisions(url: str) -> dict[str, list[str]]:
+    """Each prefill worker's load-or-recompute decisions (its /metrics), to explain a test."""
+    out = {}
+    for w in cluster_doc(url)["workers"]:
+        text = httpx.get(f"http://{w['address']}/metrics", timeout=10).text
+        out[w["id"]] = [line for line in text.splitlines()
+                        if line.startswith("kvpool_kv_fetch")]  # fmt: skip
+    return out
+
+
 def cluster_doc(url: str) -> dict:
     return httpx.get(f"{url}/cluster", timeout=10).json()
 
@@ -96,6 +106,31 @@ def test_cluster_document_and_health(cluster):
     assert httpx.get(f"{cluster[1]}/health").json()["status"] == "ok"
 
 
+def test_prefix_computed_on_one_prefill_worker_is_loaded_by_the_other(cluster, client):
+    # first of the tests that send prompts, so neither prefill worker has measured a load yet
+    # and the fetch policy loads to measure (later its decision depends on what it measured)
+    url = cluster[1]
+    before = counters(url)
+    shared = "Background: " + "the river flows north through the old valley. " * 40
+    outs = []
+    for q in ["Where does the river flow?", "What is old?"]:  # round robin: one per worker
+        outs.append(client.completions.create(model=MODEL, prompt=shared + q, max_tokens=4,
+                                              temperature=0))  # fmt: skip
+    after = counters(url)
+    pool_hits = {w: after[w]["prefix_hits_pool"] - before[w]["prefix_hits_pool"]
+                 for w in ("prefill-1", "prefill-2")}  # fmt: skip
+    assert max(pool_hits.values()) >= 64, (pool_hits, fetch_decisions(url))  # >= 4 blocks
+    loaded = after["decode-1"]["pool_loaded_bytes"] - before["decode-1"]["pool_loaded_bytes"]
+    assert loaded > 0
+    # the decode worker read the prompts' KV straight from the prefill workers (their handles)
+    direct = after["decode-1"]["direct_read_bytes"] - before["decode-1"]["direct_read_bytes"]
+    assert direct > 0 and after["decode-1"]["direct_fallbacks"] == before["decode-1"][
+        "direct_fallbacks"]  # fmt: skip
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'kvpool_prefix_cache_hits_total{source="pool"}' in metrics
+    assert "kvpool_time_to_first_token_seconds_count" in metrics
+
+
 def test_multi_turn_chat_reuses_the_prefix_and_matches_one_engine(cluster, client, reference):
     turn1 = [{"role": "system", "content": SYSTEM * 3},
              {"role": "user", "content": "What is the capital of France?"}]  # fmt: skip
@@ -126,30 +161,6 @@ def test_multi_turn_chat_reuses_the_prefix_and_matches_one_engine(cluster, clien
     after = counters(cluster[1])["decode-1"]
     if usage.prompt_tokens % 16:
         assert after["direct_tail_reads"] == tails["direct_tail_reads"] + 1, after
-
-
-def test_prefix_computed_on_one_prefill_worker_is_loaded_by_the_other(cluster, client):
-    url = cluster[1]
-    before = counters(url)
-    # long enough that loading it pays against recomputing it (the fetch policy decides)
-    shared = "Background: " + "the river flows north through the old valley. " * 40
-    outs = []
-    for q in ["Where does the river flow?", "What is old?"]:  # round robin: one per worker
-        outs.append(client.completions.create(model=MODEL, prompt=shared + q, max_tokens=4,
-                                              temperature=0))  # fmt: skip
-    after = counters(url)
-    pool_hits = {w: after[w]["prefix_hits_pool"] - before[w]["prefix_hits_pool"]
-                 for w in ("prefill-1", "prefill-2")}  # fmt: skip
-    assert max(pool_hits.values()) >= 64, pool_hits  # >= 4 blocks of 16 from the pool
-    loaded = after["decode-1"]["pool_loaded_bytes"] - before["decode-1"]["pool_loaded_bytes"]
-    assert loaded > 0
-    # the decode worker read the prompts' KV straight from the prefill workers (their handles)
-    direct = after["decode-1"]["direct_read_bytes"] - before["decode-1"]["direct_read_bytes"]
-    assert direct > 0 and after["decode-1"]["direct_fallbacks"] == before["decode-1"][
-        "direct_fallbacks"]  # fmt: skip
-    metrics = httpx.get(f"{url}/metrics").text
-    assert 'kvpool_prefix_cache_hits_total{source="pool"}' in metrics
-    assert "kvpool_time_to_first_token_seconds_count" in metrics
 
 
 def test_overload_gets_429_with_retry_after_and_no_unbounded_queue(cluster):
