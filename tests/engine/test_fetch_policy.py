@@ -41,6 +41,25 @@ def test_load_cost_model_never_predicts_a_small_load_slower_than_a_larger_one_se
     assert m.predict(20 * 100 * KB) == pytest.approx(latency + per_byte * 2e6)
 
 
+def test_one_small_load_seen_does_not_rule_out_larger_ones():
+    # the first load was 2 blocks in 60 ms, nearly all of it fixed cost; scaled by the bytes,
+    # 32 blocks would take 0.96 s, more than computing them (0.5 s): without a second size the
+    # policy would never load, so never learn. Between the floor (60 ms) and that, it measures
+    p = FetchPolicy(block_bytes=100 * KB, block_size=16)
+    p.observe_load(2, 0.060)
+    p.compute_s = lambda tokens: 0.001 * tokens
+    p.step_s = lambda: 0.02
+    assert p.loads.predict(32 * 100 * KB) == pytest.approx(0.96)
+    assert p.decide(32) == (32, None) and p.stats.measuring == 1
+    assert p.decide(2)[0] == 0  # its own size: the measurement stands (60 + 20 ms > 32 ms)
+    p.observe_load(32, 0.100)  # two sizes: the fit takes over, no more measuring
+    assert p.decide(32)[0] == 32 and p.stats.measuring == 1
+    slow = FetchPolicy(block_bytes=100 * KB, block_size=16)
+    slow.observe_load(2, 0.600)  # even its fixed cost is more than computing 32 blocks
+    slow.compute_s, slow.step_s = p.compute_s, p.step_s
+    assert slow.decide(32) == (0, None)
+
+
 def policy(latency_s: float, per_block_s: float, compute_token_s: float, step_s: float = 0.02):
     p = FetchPolicy(block_bytes=100 * KB, block_size=16)
     for n in (1, 4, 16, 64):

@@ -80,6 +80,20 @@ class LoadCostModel:
         # one size seen (or a fit that makes no sense): proportional to the bytes
         return float(np.sum(y) / np.sum(x) * nbytes)
 
+    def floor(self, nbytes: int) -> float | None:
+        """When every load seen was of one size, smaller than ``nbytes``: the least a load of
+        ``nbytes`` can take (the fastest of them: their time may be all fixed cost); else
+        None. ``predict`` scales them by the bytes, as if none of it were fixed, so one small,
+        latency-bound first load would make every larger one look too slow to try, and the
+        model would never see a second size."""
+        with self._lock:
+            if not self._samples:
+                return None
+            data = np.asarray(self._samples)
+        x = data[:, 0]
+        one_size = np.ptp(x) <= 0.2 * float(np.mean(x))
+        return float(data[:, 1].min()) if one_size and nbytes > 1.2 * float(x.max()) else None
+
 
 TIERS = ("dram", "ssd")  # the pool's tiers, as the master names them (batch_tiers)
 
@@ -142,6 +156,12 @@ class FetchPolicy:
             self.stats.loads += 1
             self.stats.saved_compute_seconds += compute
             return n_blocks, load
+        floor = self.model(tier).floor((n_blocks + backlog) * self.block_bytes)
+        step = self.step_s() if self.step_s is not None else 0.0
+        if floor is not None and floor + step < compute:  # it may pay: measure it
+            self.stats.loads += 1
+            self.stats.measuring += 1
+            return n_blocks, None
         self.stats.recomputes += 1
         return 0, None
 
