@@ -125,6 +125,20 @@ class DirectReads:
 
     # -- decode side --------------------------------------------------------------------------
 
+    def load_tail(self, request, computed: int, block_id: int, block_size: int,
+                  timeout: float | None = None) -> int:  # fmt: skip
+        """The prompt tokens of ``request``'s partial last block read into ``block_id`` from
+        its handle (0: none, not this prompt's, or it did not check out)."""
+        handle = getattr(request, "kv_handle", None)
+        t = handle.tail if isinstance(handle, KVHandle) else None
+        if t is None or t.index * block_size != computed or t.tokens >= block_size or \
+                computed + t.tokens >= request.num_tokens or \
+                len(request.block_hashes) < t.index:  # fmt: skip
+            return 0  # not this prompt's partial block (or not one at all: a bad handle)
+        tokens = tuple(request.token_ids[computed : computed + t.tokens])
+        ok = self.read_tail(handle, request.block_hashes[: t.index], tokens, block_id, timeout)
+        return t.tokens if ok else 0
+
     def read_tail(self, handle: KVHandle, hashes: list[bytes], tokens: tuple[int, ...],
                   block_id: int, timeout: float | None = None) -> bool:  # fmt: skip
         """Read the handle's partial block into ``block_id`` and check it against this

@@ -33,7 +33,6 @@ from kvpool.engine.connectors.fetch_policy import PROBE_BLOCKS, FetchPolicy, Fet
 from kvpool.engine.connectors.prefetch import BACKGROUND_NICE, PoolView, Prefetcher
 from kvpool.engine.connectors.saves import Saver
 from kvpool.engine.request import Request
-from kvpool.protocol.decode import KVHandle
 from kvpool.protocol.kv_object import block_key, header_size, header_tokens, pack_header
 
 logger = logging.getLogger(__name__)
@@ -318,18 +317,9 @@ class StoreConnector(KVConnector):
             self.direct.capture_tail(request, self.block_size)
 
     def load_tail(self, request: Request, computed: int, block_id: int) -> int:
-        handle = getattr(request, "kv_handle", None)
-        if self.direct is None or not isinstance(handle, KVHandle) or handle.tail is None:
+        if self.direct is None:
             return 0
-        bs, t = self.block_size, handle.tail
-        if t.index * bs != computed or t.tokens >= bs or \
-                computed + t.tokens >= request.num_tokens or \
-                len(request.block_hashes) < t.index:  # fmt: skip
-            return 0  # not this prompt's partial block (or not one at all: a bad handle)
-        tokens = tuple(request.token_ids[computed : computed + t.tokens])
-        ok = self.direct.read_tail(handle, request.block_hashes[: t.index], tokens, block_id,
-                                   QUICK_TIMEOUT)  # fmt: skip
-        return t.tokens if ok else 0
+        return self.direct.load_tail(request, computed, block_id, self.block_size, QUICK_TIMEOUT)
 
     def _object_checksum(self, block_hash: bytes, parts: list) -> int:
         return self.client.io.checksum(block_key(block_hash), parts)
