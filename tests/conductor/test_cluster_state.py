@@ -147,6 +147,27 @@ def test_step_costs_leave_the_prior_as_soon_as_there_are_enough_samples():
     assert costs.prefill_s(32) == pytest.approx(0.032, rel=0.15)
 
 
+def test_step_costs_count_a_prompt_step_s_fixed_cost():
+    """A short prompt's recompute is what its step costs beyond a decode step: one measured
+    step of about that length is used as it is, and without one the fitted line's extra fixed
+    cost of a step with prompt rows is added to its slope (the slope alone made a 32-token
+    recompute look cheaper than a load that was faster)."""
+    from collections import deque
+
+    from kvpool.engine.step_model import StepCosts
+
+    samples: deque = deque(maxlen=512)
+    costs = StepCosts(samples, steps=lambda: len(samples), running=lambda: 1)
+    for i in range(8):
+        samples.append((0, 1, 0.010))  # decode steps: 10 ms
+        samples.append((256 * (1 + i % 2), 1, 0.010 + 0.020 + 0.001 * 256 * (1 + i % 2)))
+    # no step near 32 tokens: the line's 20 ms of prompt-step overhead plus 1 ms a token
+    assert costs.prefill_s(32) == pytest.approx(0.020 + 0.032, rel=0.05)
+    samples.append((33, 1, 0.010 + 0.060))  # one step of 33 tokens took 60 ms more
+    costs.fit = costs.model.prior  # refit now
+    assert costs.prefill_s(32) == pytest.approx(0.060 * 32 / 33, rel=0.05)
+
+
 def test_step_model_is_not_fooled_by_noise_over_one_prompt_length():
     """Prefills of 262..270 tokens whose times wobble with machine load (the longer ones
     happened to run alone): the least-squares line slopes down and its intercept is seconds.

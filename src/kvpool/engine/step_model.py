@@ -83,19 +83,22 @@ class StepCosts:
         self._steps, self._running = steps, running
 
     def prefill_s(self, num_tokens: int) -> float:
-        """Predicted seconds to compute ``num_tokens`` more prompt tokens, beyond the step's
-        fixed cost (paid anyway). From recent steps that prefilled about as many tokens (half
-        to twice: a prompt's per-token cost grows with its length), else the fitted per-token
-        slope."""
+        """Predicted seconds to compute ``num_tokens`` more prompt tokens, beyond the decode
+        step's fixed cost (paid anyway). From recent steps that prefilled about as many tokens
+        (half to twice: a prompt's per-token cost grows with its length; one such step is a
+        measurement too), else the fitted line: its per-token slope plus what a step with
+        prompt rows costs beyond a decode step (the slope alone put a 32-token prompt at 68 ms
+        where it took 80, and a load that would have won was skipped)."""
         self._refit()
         if num_tokens <= 0:
             return 0.0
         fit = self.fit
         alike = [(t - fit.decode_step_s(d)) / p for p, d, t in list(self.samples)[-128:]
                  if num_tokens / 2 <= p <= 2 * num_tokens]  # fmt: skip
-        if len(alike) >= 2:
+        if alike:
             return max(float(np.median(alike)), 0.0) * num_tokens
-        return fit.prefill_token_s * num_tokens
+        extra = max(fit.prefill_base_s - fit.decode_base_s, 0.0)
+        return extra + fit.prefill_token_s * num_tokens
 
     def step_s(self) -> float:
         """Predicted seconds of the step the engine runs now (its running batch decoding; 0
