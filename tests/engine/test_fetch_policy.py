@@ -80,6 +80,21 @@ def test_short_prefixes_are_recomputed_long_ones_loaded():
     assert p.stats.saved_compute_seconds == pytest.approx(0.512)
 
 
+def test_a_tie_takes_the_option_taken_less_recently_at_that_size():
+    """Predictions within CLOSE of each other cannot settle it (the slow-tier CI test: a 2-block
+    load predicted at 68 ms, its recompute at 68 ms, while they took 54 and 90 ms): the option
+    not taken lately for prefixes of that size is taken, so each side gets a fresh figure, and
+    the next decision is made on them. Clear cases are not explored."""
+    p = policy(latency_s=0.030, per_block_s=0.001, compute_token_s=0.0015, step_s=0.020)
+    assert p.worth_looking_up(2)  # 52 ms of loading against 48 ms of compute: a tie
+    assert [p.decide(2)[0] for _ in range(3)] == [2, 0, 2] and p.stats.ties == 3
+    p.observe_load(2, 0.005)  # the load, measured again, turned out fast: no longer a tie
+    assert p.decide(2)[0] == 2 and p.decide(2)[0] == 2 and p.stats.ties == 3
+    clear = policy(latency_s=0.030, per_block_s=0.001, compute_token_s=0.0005)  # 16 ms
+    assert not clear.worth_looking_up(2)
+    assert [clear.decide(2)[0] for _ in range(3)] == [0, 0, 0] and clear.stats.ties == 0
+
+
 def test_a_link_slower_than_compute_loads_nothing():
     p = policy(latency_s=0.001, per_block_s=0.05, compute_token_s=0.001)  # 50 ms a block
     assert [p.decide(n)[0] for n in (1, 8, 64, 256)] == [0, 0, 0, 0]

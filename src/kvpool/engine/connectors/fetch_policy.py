@@ -13,7 +13,12 @@ can be slower than recomputing. Per request, the scheduler side predicts both:
   request computes at least its last token).
 
 Both grow linearly with the prefix, so the answer is all or nothing: load the whole available
-prefix if that is predicted cheaper, else none of it (short prefixes lose to the fixed costs
+prefix if that is predicted cheaper, else none of it. Predictions within ``CLOSE`` of each
+other are a tie the figures cannot settle (each side is off by 20-30 % for short prefixes: a
+first load that shared the link, a recompute priced from long prompts): then the option taken
+less recently for prefixes of about that size is taken, so both sides get a fresh measurement
+and the next decision is made on them (an explored option costs at most ``CLOSE`` times the
+other's prediction) (short prefixes lose to the fixed costs
 of a load; a link slower per byte than compute loses at every length). With no measurement
 yet it loads (to measure); when the last measurement is older than ``remeasure_s`` and the
 decision is "recompute", ``PROBE_BLOCKS`` of the prefix are read in the background into
@@ -32,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 PROBE_BLOCKS = 4  # blocks a background probe reads
+CLOSE = 1.25  # predictions within this factor of each other are a tie (see above)
 
 
 @dataclass(slots=True)
@@ -44,6 +50,7 @@ class FetchStats:
     predicted_load_seconds: float = 0.0  # over the loads that had a prediction
     realized_load_seconds: float = 0.0  # the same loads, as they went
     saved_compute_seconds: float = 0.0  # predicted recompute time of what was loaded
+    ties: int = 0  # decisions between predictions within CLOSE: the less recent option taken
 
 
 class LoadCostModel:
@@ -95,6 +102,11 @@ class LoadCostModel:
         return float(data[:, 1].min()) if one_size and nbytes > 1.2 * float(x.max()) else None
 
 
+def _size_class(n_blocks: int) -> int:
+    """Prefixes within a factor of two of each other share a class (their costs are alike)."""
+    return max(n_blocks, 1).bit_length()
+
+
 TIERS = ("dram", "ssd")  # the pool's tiers, as the master names them (batch_tiers)
 
 
@@ -114,6 +126,8 @@ class FetchPolicy:
         self.compute_s: Callable[[int], float] | None = None
         self.step_s: Callable[[], float] | None = None
         self._probed: dict[str, float] = {}  # tier -> when it was last probed
+        # (tier, size class) -> {"load"|"compute": when that option was last taken}
+        self._taken: dict[tuple[str, int], dict[str, float]] = {}
 
     def model(self, tier: str = "dram") -> LoadCostModel:
         return self.models.get(tier, self.loads)
@@ -132,13 +146,16 @@ class FetchPolicy:
         return None if self.compute_s is None else self.compute_s(n_blocks * self.block_size)
 
     def worth_looking_up(self, n_blocks: int, backlog: int = 0) -> bool:
-        """False if even a hit on all ``n_blocks`` would not pay (skip the lookup too); a
-        stale measurement looks up anyway (a hit can then be probed)."""
+        """False if even a hit on all ``n_blocks`` would not pay, by more than a tie (skip
+        the lookup too); a stale measurement looks up anyway (a hit can then be probed)."""
         compute = self.predicted_compute_s(n_blocks)
         load = self.predicted_load_s(n_blocks, backlog)
         if load is None or compute is None or self._stale():
             return True
-        return load < compute
+        if load < compute * CLOSE:
+            return True  # a lookup, then ``decide``
+        self._took("dram", n_blocks, "compute")
+        return False
 
     def decide(self, n_blocks: int, backlog: int = 0,
                tier: str = "dram") -> tuple[int, float | None]:  # fmt: skip
@@ -152,18 +169,35 @@ class FetchPolicy:
             self.stats.loads += 1
             self.stats.measuring += 1
             return n_blocks, load
+        if max(load, compute) <= CLOSE * min(load, compute):  # a tie: the less recent one
+            self.stats.ties += 1
+            taken = self._taken.get((tier, _size_class(n_blocks)), {})
+            if taken.get("load", -float("inf")) <= taken.get("compute", -float("inf")):
+                return self._load(tier, n_blocks, load, compute)
+            return self._recompute(tier, n_blocks)
         if load < compute:
-            self.stats.loads += 1
-            self.stats.saved_compute_seconds += compute
-            return n_blocks, load
+            return self._load(tier, n_blocks, load, compute)
         floor = self.model(tier).floor((n_blocks + backlog) * self.block_bytes)
         step = self.step_s() if self.step_s is not None else 0.0
         if floor is not None and floor + step < compute:  # it may pay: measure it
-            self.stats.loads += 1
             self.stats.measuring += 1
-            return n_blocks, None
+            return self._load(tier, n_blocks, None, 0.0)
+        return self._recompute(tier, n_blocks)
+
+    def _load(self, tier: str, n_blocks: int, load: float | None,
+              compute: float) -> tuple[int, float | None]:  # fmt: skip
+        self.stats.loads += 1
+        self.stats.saved_compute_seconds += compute
+        self._took(tier, n_blocks, "load")
+        return n_blocks, load
+
+    def _recompute(self, tier: str, n_blocks: int) -> tuple[int, None]:
         self.stats.recomputes += 1
+        self._took(tier, n_blocks, "compute")
         return 0, None
+
+    def _took(self, tier: str, n_blocks: int, option: str) -> None:
+        self._taken.setdefault((tier, _size_class(n_blocks)), {})[option] = time.monotonic()
 
     def wants_probe(self, tier: str = "dram") -> bool:
         """True (once per ``remeasure_s`` per tier) when ``tier``'s load figures are stale: the
