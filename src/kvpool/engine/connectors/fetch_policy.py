@@ -166,9 +166,8 @@ class FetchPolicy:
         compute = self.predicted_compute_s(n_blocks)
         load = self.predicted_load_s(n_blocks, backlog, tier)
         if load is None or compute is None:  # nothing to compare yet: load, and measure
-            self.stats.loads += 1
             self.stats.measuring += 1
-            return n_blocks, load
+            return self._load(tier, n_blocks, load, 0.0)
         if max(load, compute) <= CLOSE * min(load, compute):  # a tie: the less recent one
             self.stats.ties += 1
             taken = self._taken.get((tier, _size_class(n_blocks)), {})
