@@ -18,6 +18,7 @@ NAMES = (
     "kvpool_inter_token_latency_seconds",
     "kvpool_e2e_request_latency_seconds",
     "kvpool_kv_fetch_decisions",
+    "kvpool_kv_fetch_ties",
     "kvpool_kv_fetch_predicted_seconds",
     "kvpool_kv_fetch_realized_seconds",
 )

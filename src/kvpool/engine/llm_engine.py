@@ -51,6 +51,7 @@ class EngineStats:
     kv_fetch_loads: int = 0  # prefixes the connector chose to load
     kv_fetch_recomputes: int = 0  # prefixes the pool held that it chose to recompute
     kv_fetch_skipped: int = 0  # prefixes too short to be worth even a lookup
+    kv_fetch_ties: int = 0  # of the loads and recomputes, those decided as ties (fetch_policy)
     kv_fetch_predicted_seconds: float = 0.0  # its predicted waits for those loads...
     kv_fetch_realized_seconds: float = 0.0  # ...and what they were
     decode: DecodeFigures | None = None  # the roofline of recent decode-only steps
@@ -339,7 +340,7 @@ class LLMEngine:
         f = self.connector.fetch_stats()
         fetch = {} if f is None else {
             "kv_fetch_loads": f.loads, "kv_fetch_recomputes": f.recomputes,
-            "kv_fetch_skipped": f.skipped_lookups,
+            "kv_fetch_skipped": f.skipped_lookups, "kv_fetch_ties": f.ties,
             "kv_fetch_predicted_seconds": f.predicted_load_seconds,
             "kv_fetch_realized_seconds": f.realized_load_seconds,
         }  # fmt: skip

@@ -163,6 +163,12 @@ class EngineStatsCollector(Collector):
         fetch.add_metric(["recompute"], s.kv_fetch_recomputes)
         fetch.add_metric(["skip_lookup"], s.kv_fetch_skipped)
         yield fetch
+        yield CounterMetricFamily(
+            "kvpool_kv_fetch_ties",
+            "Of the load and recompute decisions, those between predictions within 1.25x of "
+            "each other: the option taken less recently for that prefix size was taken.",
+            value=s.kv_fetch_ties,
+        )
         for name, doc, field in _FETCH_SECONDS:
             yield CounterMetricFamily(name, doc, value=getattr(s, field))
         for name, doc, field in _GAUGES:

@@ -119,7 +119,7 @@ def measure(modes: dict[str, LLMEngine], prompts: dict[str, list[int]],
     def decisions() -> dict:
         st = auto.stats()
         return {"loads": st.kv_fetch_loads, "recomputes": st.kv_fetch_recomputes,
-                "skipped": st.kv_fetch_skipped, "probes": auto.connector.policy.stats.probes}  # fmt: skip
+                "skipped": st.kv_fetch_skipped, "ties": st.kv_fetch_ties, "probes": auto.connector.policy.stats.probes}  # fmt: skip
 
     for kind, prompt in prompts.items():
         times: dict[str, list[float]] = {m: [] for m in modes}
