@@ -1,10 +1,8 @@
 """The engine's KV connector backed by the pool (``kvpool.store``), in both roles.
 
-One pool object per KV block (``protocol/kv_object.py``: key ``kv/<chain hash hex>``, a header
-with the block's token ids, then the block's slice of the KV tensor). Loads and saves move the
-payload straight between the KV tensor and the pool's segments (the header travels as a second
-part of the same object): no staging copy. Loaded token ids are compared with the request's:
-a mismatch ends the loaded prefix there.
+One pool object per KV block, read and written straight from and into the KV tensor
+(``pool_blocks.py``); loaded token ids are compared with the request's: a mismatch ends the
+loaded prefix there.
 
 Asynchronous by default (``async_load``): the scheduler side answers from a local view of the
 pool fed by background lookups (no RPC on the engine step) and loads run on a background
@@ -25,15 +23,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvpool.common.errors import AlreadyExistsError, BadRequestError, KVPoolError
+from kvpool.common.errors import BadRequestError, KVPoolError
 from kvpool.common.hashing import leading_true
 from kvpool.engine.connectors.base import BlockRef, KVConnector
 from kvpool.engine.connectors.direct import DirectReads
 from kvpool.engine.connectors.fetch_policy import PROBE_BLOCKS, FetchPolicy, FetchStats
+from kvpool.engine.connectors.pool_blocks import PoolBlocks
 from kvpool.engine.connectors.prefetch import BACKGROUND_NICE, PoolView, Prefetcher
 from kvpool.engine.connectors.saves import Saver
 from kvpool.engine.request import Request
-from kvpool.protocol.kv_object import block_key, header_size, header_tokens, pack_header
+from kvpool.protocol.kv_object import block_key
 
 logger = logging.getLogger(__name__)
 SYNC_SHARE = 0.2  # a load predicted under this share of the running step is done inside it
@@ -90,7 +89,7 @@ class StoreConnector(KVConnector):
         self.stats = ConnectorStats()
         self._down_until = 0.0
         self._blocks: np.ndarray | None = None  # [num_blocks, block_bytes] uint8 view
-        self._head_len = 0
+        self._io: PoolBlocks | None = None  # its blocks as pool objects (set at bind)
         self._saver: Saver | None = None  # set at bind
         self._closed = False
 
@@ -103,17 +102,17 @@ class StoreConnector(KVConnector):
         self._blocks = flat.numpy().reshape(kv_cache.shape[0], -1)  # shares memory
         self.block_size = block_size
         self.namespace = namespace
-        self._head_len = header_size(block_size)
+        self._io = PoolBlocks(self.client, self._blocks, block_size)
         if self._use_policy:
-            self.policy = FetchPolicy(self._head_len + self.block_bytes, block_size)
+            self.policy = FetchPolicy(self._io.head_len + self.block_bytes, block_size)
         engine = getattr(self.client, "engine", None)
         if self._use_direct and hasattr(engine, "register") and hasattr(self.client, "io"):
-            self.direct = DirectReads(engine, self._blocks, self._object_checksum, self._header)
+            self.direct = DirectReads(engine, self._blocks, self._io.checksum, self._io.header)
             self.direct.publish()
         if self.async_load:
             on_loaded = self.policy.observe_load if self.policy is not None else None
             self._prefetch = Prefetcher(self._exists, self._load_now, self.view, self._max_loads,
-                                        on_loaded=on_loaded, probe=self._probe,
+                                        on_loaded=on_loaded, probe=self._io.probe,
                                         nice=self._load_nice)  # fmt: skip
         if self._save_enabled:
             self._saver = Saver(self._write, self._waited).start()
@@ -321,46 +320,21 @@ class StoreConnector(KVConnector):
             return 0
         return self.direct.load_tail(request, computed, block_id, self.block_size, QUICK_TIMEOUT)
 
-    def _object_checksum(self, block_hash: bytes, parts: list) -> int:
-        return self.client.io.checksum(block_key(block_hash), parts)
-
     def _load_pool(self, blocks: list[BlockRef], block_ids: list[int]) -> int:
-        assert self._blocks is not None
+        assert self._io is not None
         if not blocks or not self.pool_up():
             return 0
         t0 = time.perf_counter()
-        heads = [bytearray(self._head_len) for _ in blocks]
-        parts = [[h, self._blocks[b]] for h, b in zip(heads, block_ids, strict=True)]
         try:
-            sizes = self.client.batch_get_into_parts([block_key(r.block_hash) for r in blocks],
-                                                     parts)  # fmt: skip
+            n, mismatched = self._io.read(blocks, block_ids)
         except KVPoolError as exc:
             self._pool_failed("load", exc)
             return 0
-        n = 0
-        want = self._head_len + self.block_bytes
-        for ref, head, size in zip(blocks, heads, sizes, strict=True):
-            if size != want or self._tokens(head) != ref.token_ids:
-                if size == want:
-                    self.stats.token_mismatches += 1
-                break
-            n += 1
+        self.stats.token_mismatches += mismatched
         self.stats.loaded_blocks += n
         self.stats.loaded_bytes += n * self.block_bytes
         self.stats.load_seconds += time.perf_counter() - t0
         return n
-
-    def _probe(self, hashes: list[bytes]) -> int:
-        """Read blocks into scratch memory (to measure the pool); how many read whole."""
-        scratch = np.empty((len(hashes), self._head_len + self.block_bytes), dtype=np.uint8)
-        sizes = self.client.batch_get_into([block_key(h) for h in hashes], list(scratch))
-        return sum(1 for size in sizes if size == scratch.shape[1])
-
-    def _header(self, ref: BlockRef) -> bytes:
-        return pack_header(ref.token_ids, self.block_size, self.block_bytes)
-
-    def _tokens(self, head: bytearray) -> tuple[int, ...] | None:
-        return header_tokens(head, self.block_size, self.block_bytes)
 
     # -- saving --------------------------------------------------------------------------
 
@@ -380,23 +354,19 @@ class StoreConnector(KVConnector):
 
     def _write(self, refs: list[BlockRef]) -> None:
         """One batch of saves into the pool (on the save thread)."""
-        assert self._blocks is not None
+        assert self._io is not None
         t0 = time.perf_counter()
         if self.pool_up():
-            keys = [block_key(r.block_hash) for r in refs]
-            parts = [[self._header(r), self._blocks[r.block_id]] for r in refs]
             try:
-                results = self.client.batch_put_parts(keys, parts)
+                kept = self._io.write(refs)
             except KVPoolError as exc:
                 self._pool_failed("save", exc)
-                results = [exc] * len(refs)
-            kept = [(r, ps) for r, ps, x in zip(refs, parts, results, strict=True)
-                    if x is None or isinstance(x, AlreadyExistsError)]  # fmt: skip
+                kept = []
             stored = [r.block_hash for r, _ in kept]
             self.view.mark(stored, True)
             if self.direct is not None and kept:  # the block is still held: its bytes are these
                 self.direct.record([r for r, _ in kept],
-                                   [self._object_checksum(r.block_hash, ps) for r, ps in kept])  # fmt: skip
+                                   [self._io.checksum(r.block_hash, ps) for r, ps in kept])  # fmt: skip
             self.stats.saved_blocks += len(stored)
             self.stats.saved_bytes += len(stored) * self.block_bytes
             self.stats.dropped_saves += len(refs) - len(stored)
