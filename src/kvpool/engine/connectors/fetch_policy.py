@@ -8,18 +8,19 @@ can be slower than recomputing. Per request, the scheduler side predicts both:
   one step of the running batch (a request waits for a step boundary twice: to see its
   lookup's answer and to run after its load: half a step each on average; nothing to wait
   for when nothing else runs);
-- **recomputing** them: the engine's own step-cost model (``StepModel``: seconds per prefill
-  token), times the tokens the blocks hold (the step's fixed cost is paid either way: the
-  request computes at least its last token).
+- **recomputing** them: the engine's own step costs (``StepCosts.prefill_s``: recent prompt
+  steps of about that length, else the fitted per-token cost plus a prompt step's extra fixed
+  cost over a decode step, which is paid either way: the request computes at least its last
+  token).
 
 Both grow linearly with the prefix, so the answer is all or nothing: load the whole available
-prefix if that is predicted cheaper, else none of it. Predictions within ``CLOSE`` of each
-other are a tie the figures cannot settle (each side is off by 20-30 % for short prefixes: a
-first load that shared the link, a recompute priced from long prompts): then the option taken
-less recently for prefixes of about that size is taken, so both sides get a fresh measurement
-and the next decision is made on them (an explored option costs at most ``CLOSE`` times the
-other's prediction) (short prefixes lose to the fixed costs
-of a load; a link slower per byte than compute loses at every length). With no measurement
+prefix if that is predicted cheaper, else none of it (short prefixes lose to the fixed costs
+of a load; a link slower per byte than compute loses at every length). Predictions within
+``CLOSE`` of each other are a tie the figures cannot settle (each side is off by 20-30 % for
+short prefixes: a first load that shared the link, a recompute priced from long prompts):
+then the option taken less recently for prefixes of about that size is taken, so both sides
+get a fresh measurement and the next decision is made on them (an explored option costs at
+most ``CLOSE`` times the other's prediction). With no measurement
 yet it loads (to measure); when the last measurement is older than ``remeasure_s`` and the
 decision is "recompute", ``PROBE_BLOCKS`` of the prefix are read in the background into
 scratch memory to measure again, while the request computes (it waits for nothing). ``FetchStats`` counts
