@@ -8,7 +8,8 @@ over the weights reads: the weight bytes each decode step streams (the roofline 
 
 - ``DenseLinear``: float weights through BLAS (kept transposed: ``x @ W`` runs 2-3x faster
   on CPU BLAS than ``x @ W.T`` at decode's small batch sizes).
-- ``BlockLinear``: 32-block q4/q8 weights (``quant.py``) through ``kernels/qgemm.cpp``.
+- ``BlockLinear``: 32-block q4/q8 weights (``quant.py``) through ``kernels/qgemm.cpp``, and
+  up to ``GEMV_ROWS`` decode rows through ``kernels/gemv.cpp`` over a repacked copy.
   Decode-only batches of up to ``small_rows`` rows run it (a step bound by the bytes of the
   weights), larger ones run ``large`` (float32 BLAS); prompt steps run it where
   ``prompt_blocks`` (it beat BLAS on a prompt-sized batch on this machine: ``autotune.py``),
@@ -57,7 +58,7 @@ def _lanes(prompt: bool) -> dict:
 
 
 class BlockLinear:
-    __slots__ = ("bias", "kernels", "large", "prompt_blocks", "small_rows", "weights")
+    __slots__ = ("bias", "kernels", "large", "packed", "prompt_blocks", "small_rows", "weights")
 
     def __init__(self, weights: BlockWeights, kernels: ModuleType,
                  bias: torch.Tensor | None = None, large: object | None = None,
@@ -68,6 +69,10 @@ class BlockLinear:
         self.large = large  # a DenseLinear for big batches, or None
         self.small_rows = small_rows
         self.prompt_blocks = prompt_blocks
+        # the weights repacked for the few-row kernel (kernels/gemv.cpp), or None where it
+        # does not run; a second copy of the blocks, read instead of them up to GEMV_ROWS rows
+        packed = kernels.gemv_pack(weights.qs, weights.kind == "q4")
+        self.packed = packed if packed.numel() else None
 
     def _big(self, x: torch.Tensor, prompt: bool) -> bool:
         if self.large is None:
@@ -78,7 +83,7 @@ class BlockLinear:
         if self._big(x, prompt):
             return self.large(x)  # type: ignore[operator]
         w = self.weights
-        y = self.kernels.qlinear(x, w.qs, w.d, w.m, **_lanes(prompt))
+        y = self.kernels.qlinear(x, w.qs, w.d, w.m, packed=self.packed, **_lanes(prompt))
         return y if self.bias is None else y.add_(self.bias)
 
     def add_to(self, h: torch.Tensor, x: torch.Tensor, prompt: bool = False) -> torch.Tensor:
@@ -86,7 +91,7 @@ class BlockLinear:
             return self.large.add_to(h, x)  # type: ignore[union-attr]
         w = self.weights
         assert self.bias is None
-        return self.kernels.qlinear(x, w.qs, w.d, w.m, h, **_lanes(prompt))
+        return self.kernels.qlinear(x, w.qs, w.d, w.m, h, packed=self.packed, **_lanes(prompt))
 
     @property
     def nbytes(self) -> int:
@@ -96,4 +101,4 @@ class BlockLinear:
         w = self.weights
         assert isinstance(self.large, DenseLinear), "the fused step needs the dense fallback"
         return {"w_t": self.large.w_t, "bias": self.bias, "qs": w.qs, "d": w.d, "m": w.m,
-                "small_rows": self.small_rows}  # fmt: skip
+                "small_rows": self.small_rows, "packed": self.packed}  # fmt: skip

@@ -22,8 +22,10 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / n for n in ("paged_attention.cpp", "qgemm.cpp", "decode.cpp", "bindings.cpp")]
-_HEADERS = [_DIR / "kernels.h"]
+_SOURCES = [
+    _DIR / n for n in ("paged_attention.cpp", "qgemm.cpp", "gemv.cpp", "decode.cpp", "bindings.cpp")
+]
+_HEADERS = [_DIR / "kernels.h", _DIR / "qblocks.h"]
 _NAME = "kvpool_kernels"
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}

@@ -7,7 +7,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &kvpool::qlinear, "x . W^T over 32-block quantized weights (q4 / q8)",
         py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("out") = py::none(),
         py::arg("portable") = false, py::arg("wide") = true,
-        py::arg("lanes_from") = kvpool::LANES_FROM);
+        py::arg("lanes_from") = kvpool::LANES_FROM, py::arg("packed") = py::none());
+  m.def("gemv_pack", &kvpool::gemv_pack,
+        "weights repacked for the few-row kernel (empty where it does not run)", py::arg("qs"),
+        py::arg("q4"));
+  m.attr("GEMV_ROWS") = kvpool::GEMV_ROWS;
   m.def("has_avx2", &kvpool::has_avx2, "whether the quantized kernel's AVX2 path is built in");
   m.def("has_avx512", &kvpool::has_avx512,
         "whether the quantized kernel's AVX-512 path is built in (used unless wide=False)");

@@ -74,13 +74,17 @@ void silu_mul(const float* gu, float* out, int64_t rows, int64_t inter) {
   }
 }
 
+c10::optional<torch::Tensor> packed(const DecodeModel::Linear& l) {
+  return l.packed.defined() ? c10::optional<torch::Tensor>(l.packed) : c10::nullopt;
+}
+
 bool use_blocks(const DecodeModel::Linear& l, int64_t rows) {
   return l.qs.defined() && rows <= l.small_rows;
 }
 
 torch::Tensor linear(const DecodeModel::Linear& l, const torch::Tensor& x) {
   if (use_blocks(l, x.size(0))) {
-    torch::Tensor y = qlinear(x, l.qs, l.d, l.m, c10::nullopt, false);
+    torch::Tensor y = qlinear(x, l.qs, l.d, l.m, c10::nullopt, false, true, LANES_FROM, packed(l));
     return l.bias.defined() ? y.add_(l.bias) : y;
   }
   return l.bias.defined() ? at::addmm(l.bias, x, l.w_t) : at::mm(x, l.w_t);
@@ -88,7 +92,7 @@ torch::Tensor linear(const DecodeModel::Linear& l, const torch::Tensor& x) {
 
 void linear_add(const DecodeModel::Linear& l, const torch::Tensor& x, torch::Tensor& h) {
   if (use_blocks(l, x.size(0))) {
-    qlinear(x, l.qs, l.d, l.m, h, false);
+    qlinear(x, l.qs, l.d, l.m, h, false, true, LANES_FROM, packed(l));
   } else {
     h.addmm_(x, l.w_t);
   }
@@ -103,6 +107,7 @@ DecodeModel::Linear read_linear(const py::dict& d) {
     l.d = d["d"].cast<torch::Tensor>();
     l.m = d["m"].cast<torch::Tensor>();
     l.small_rows = d["small_rows"].cast<int64_t>();
+    if (d.contains("packed") && !d["packed"].is_none()) l.packed = d["packed"].cast<torch::Tensor>();
   }
   TORCH_CHECK(l.w_t.scalar_type() == torch::kFloat && l.w_t.dim() == 2,
               "DecodeModel computes in float32");

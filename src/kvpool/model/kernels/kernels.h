@@ -14,9 +14,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_layer,
 // `wide`: the AVX-512 paths where built in; from `lanes_from` rows on (0: never) the one that
 // puts 16 activation rows in a vector's lanes.
 constexpr int64_t LANES_FROM = 12;
+// `packed`: the same weights repacked by gemv_pack, which up to GEMV_ROWS rows run (gemv.cpp).
+constexpr int64_t GEMV_ROWS = 4;
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
                       c10::optional<torch::Tensor> out, bool portable, bool wide = true,
-                      int64_t lanes_from = LANES_FROM);
+                      int64_t lanes_from = LANES_FROM,
+                      c10::optional<torch::Tensor> packed = c10::nullopt);
+// qs repacked for the few-row kernel, or an empty tensor where it does not run (gemv.cpp).
+torch::Tensor gemv_pack(torch::Tensor qs, bool q4);
 bool has_avx2();
 bool has_avx512();
 
@@ -24,7 +29,7 @@ bool has_avx512();
 class DecodeModel {
  public:
   struct Linear {  // blocks (qs, d, m) below `small_rows` rows, else dense (w_t, bias)
-    torch::Tensor qs, d, m, w_t, bias;
+    torch::Tensor qs, d, m, w_t, bias, packed;
     int64_t small_rows = 0;
   };
   struct Layer {

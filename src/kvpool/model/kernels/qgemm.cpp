@@ -19,7 +19,10 @@
 // tests compare it with); its sums differ from the AVX2 path's only by float rounding order.
 // From LANES_FROM rows on (a decode batch), the AVX-512 path turns the tile around: lanes are
 // 16 activation rows, so a block's float scaling is paid once per 16 rows (lanes512, below).
+// Up to GEMV_ROWS rows (kernels.h), a caller that passes the weights repacked by gemv_pack runs
+// gemv.cpp instead, where a chunk of 16 blocks is scaled once per row.
 #include "kernels.h"
+#include "qblocks.h"
 
 #include <ATen/Parallel.h>
 
@@ -33,65 +36,7 @@
 
 namespace {
 
-constexpr int64_t QK = 32;  // elements per block
-
-struct QAct {  // quantized activations of M rows
-  std::vector<int16_t> q;  // [M, K]
-  std::vector<float> d;   // [M, K / QK] scales
-  std::vector<float> s;   // [M, K / QK] d * sum(q): the q4 offset term's factor
-};
-
-constexpr float QMAX = 32767.f;
-
-void quantize_block(const float* x, int16_t* q, float* d, float* s) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float scale = amax / QMAX, inv = amax > 0.f ? QMAX / amax : 0.f;
-  int32_t sum = 0;
-  for (int64_t i = 0; i < QK; ++i) {
-    const int32_t v = static_cast<int32_t>(std::nearbyint(x[i] * inv));
-    q[i] = static_cast<int16_t>(v);
-    sum += v;
-  }
-  *d = scale;
-  *s = scale * static_cast<float>(sum);
-}
-
-QAct quantize_rows(const float* x, int64_t M, int64_t K, int64_t lda) {
-  const int64_t nb = K / QK;
-  QAct a{std::vector<int16_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
-  at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t m = i / nb, b = i % nb;
-      quantize_block(x + m * lda + b * QK, a.q.data() + m * K + b * QK, &a.d[i], &a.s[i]);
-    }
-  });
-  return a;
-}
-
-struct QWeights {
-  const uint8_t* qs;  // q4: [N, K / 2]; q8: [N, K] (int8 bytes)
-  const void* d;      // [N, nb] float32, or float16 (a GGUF's own scales, as the file holds them)
-  const void* m;      // [N, nb] (q4 only), d's type
-  int64_t N, K, nb;
-  bool q4;
-  bool half;  // d and m are float16
-};
-
-// A block scale as float: S is float, or uint16_t holding a float16.
-inline float to_f32(float v) { return v; }
-inline float to_f32(uint16_t v) {
-#if defined(__F16C__)
-  return _cvtsh_ss(v);
-#else
-  return c10::detail::fp16_ieee_to_fp32_value(v);
-#endif
-}
-
-template <typename S>
-inline const S* scales(const void* p, int64_t offset) {
-  return static_cast<const S*>(p) + offset;
-}
+using namespace kvpool::qblocks;
 
 #if defined(__AVX2__) && defined(__FMA__)
 inline float hsum(__m256 v) {
@@ -609,30 +554,6 @@ void run(const QWeights& w, const QAct& a, int64_t M, float* y, bool acc, bool p
   });
 }
 
-QWeights check(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
-               const torch::Tensor& m) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1 &&
-                  x.stride(0) >= x.size(1),
-              "x must be a float32 [M, K] tensor with contiguous rows");
-  const int64_t K = x.size(1);
-  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
-  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() &&
-                  (qs.scalar_type() == torch::kUInt8 || qs.scalar_type() == torch::kInt8),
-              "qs must be a contiguous uint8/int8 [N, K/2 or K] tensor");
-  const int64_t N = qs.size(0), nb = K / QK;
-  const bool q4 = m.numel() > 0;
-  TORCH_CHECK(qs.size(1) == (q4 ? K / 2 : K), "qs has the wrong width for K");
-  const bool half = d.scalar_type() == torch::kHalf;
-  TORCH_CHECK((half || d.scalar_type() == torch::kFloat) && d.is_contiguous() && d.dim() == 2 &&
-                  d.size(0) == N && d.size(1) == nb,
-              "d must be a contiguous float32 or float16 [N, K/32] tensor");
-  TORCH_CHECK(!q4 || (m.scalar_type() == d.scalar_type() && m.is_contiguous() &&
-                      m.sizes() == d.sizes()),
-              "m must be empty (q8) or like d (q4)");
-  return QWeights{static_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr(),
-                  q4 ? m.data_ptr() : nullptr, N, K, nb, q4, half};
-}
-
 }  // namespace
 
 namespace kvpool {
@@ -640,7 +561,7 @@ namespace kvpool {
 // y = x . W^T (+ out when given: the residual add of a layer, fused).
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
                       c10::optional<torch::Tensor> out, bool portable, bool wide,
-                      int64_t lanes_from) {
+                      int64_t lanes_from, c10::optional<torch::Tensor> packed) {
   const QWeights w = check(x, qs, d, m);
   const int64_t M = x.size(0);
   torch::Tensor y;
@@ -655,6 +576,14 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch:
   }
   if (M == 0) return y;
   const QAct a = quantize_rows(x.data_ptr<float>(), M, w.K, x.stride(0));
+  if (packed.has_value() && packed->defined() && packed->numel() > 0 && wide && !portable &&
+      !(lanes_from > 0 && M >= lanes_from)) {
+    TORCH_CHECK(packed->sizes() == qs.sizes() && packed->scalar_type() == qs.scalar_type() &&
+                    packed->is_contiguous(),
+                "packed must be gemv_pack(qs): the same shape and type as qs");
+    if (gemv(w, static_cast<const uint8_t*>(packed->data_ptr()), a, M, y.data_ptr<float>(), acc))
+      return y;
+  }
   run(w, a, M, y.data_ptr<float>(), acc, portable, wide, lanes_from);
   return y;
 }

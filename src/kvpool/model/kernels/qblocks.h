@@ -1,0 +1,109 @@
+// The 32-element weight blocks and quantized activations shared by the quantized kernels
+// (qgemm.cpp: any number of rows; gemv.cpp: a few rows over repacked weights).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace kvpool {
+namespace qblocks {
+
+constexpr int64_t QK = 32;  // elements per block
+
+struct QAct {  // quantized activations of M rows
+  std::vector<int16_t> q;  // [M, K]
+  std::vector<float> d;   // [M, K / QK] scales
+  std::vector<float> s;   // [M, K / QK] d * sum(q): the q4 offset term's factor
+};
+
+constexpr float QMAX = 32767.f;
+
+inline void quantize_block(const float* x, int16_t* q, float* d, float* s) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float scale = amax / QMAX, inv = amax > 0.f ? QMAX / amax : 0.f;
+  int32_t sum = 0;
+  for (int64_t i = 0; i < QK; ++i) {
+    const int32_t v = static_cast<int32_t>(std::nearbyint(x[i] * inv));
+    q[i] = static_cast<int16_t>(v);
+    sum += v;
+  }
+  *d = scale;
+  *s = scale * static_cast<float>(sum);
+}
+
+inline QAct quantize_rows(const float* x, int64_t M, int64_t K, int64_t lda) {
+  const int64_t nb = K / QK;
+  QAct a{std::vector<int16_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
+  at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t m = i / nb, b = i % nb;
+      quantize_block(x + m * lda + b * QK, a.q.data() + m * K + b * QK, &a.d[i], &a.s[i]);
+    }
+  });
+  return a;
+}
+
+struct QWeights {
+  const uint8_t* qs;  // q4: [N, K / 2]; q8: [N, K] (int8 bytes)
+  const void* d;      // [N, nb] float32, or float16 (a GGUF's own scales, as the file holds them)
+  const void* m;      // [N, nb] (q4 only), d's type
+  int64_t N, K, nb;
+  bool q4;
+  bool half;  // d and m are float16
+};
+
+// A block scale as float: S is float, or uint16_t holding a float16.
+inline float to_f32(float v) { return v; }
+inline float to_f32(uint16_t v) {
+#if defined(__F16C__)
+  return _cvtsh_ss(v);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(v);
+#endif
+}
+
+template <typename S>
+inline const S* scales(const void* p, int64_t offset) {
+  return static_cast<const S*>(p) + offset;
+}
+
+inline QWeights check(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
+               const torch::Tensor& m) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1 &&
+                  x.stride(0) >= x.size(1),
+              "x must be a float32 [M, K] tensor with contiguous rows");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
+  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() &&
+                  (qs.scalar_type() == torch::kUInt8 || qs.scalar_type() == torch::kInt8),
+              "qs must be a contiguous uint8/int8 [N, K/2 or K] tensor");
+  const int64_t N = qs.size(0), nb = K / QK;
+  const bool q4 = m.numel() > 0;
+  TORCH_CHECK(qs.size(1) == (q4 ? K / 2 : K), "qs has the wrong width for K");
+  const bool half = d.scalar_type() == torch::kHalf;
+  TORCH_CHECK((half || d.scalar_type() == torch::kFloat) && d.is_contiguous() && d.dim() == 2 &&
+                  d.size(0) == N && d.size(1) == nb,
+              "d must be a contiguous float32 or float16 [N, K/32] tensor");
+  TORCH_CHECK(!q4 || (m.scalar_type() == d.scalar_type() && m.is_contiguous() &&
+                      m.sizes() == d.sizes()),
+              "m must be empty (q8) or like d (q4)");
+  return QWeights{static_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr(),
+                  q4 ? m.data_ptr() : nullptr, N, K, nb, q4, half};
+}
+
+// y (+)= x . W^T for M <= GEMV_ROWS rows over weights repacked by gemv_pack (gemv.cpp);
+// false when this build has no such path (no AVX-512) or the weights do not fit it.
+bool gemv(const QWeights& w, const uint8_t* packed, const QAct& a, int64_t M, float* y,
+          bool acc);
+
+}  // namespace qblocks
+}  // namespace kvpool
