@@ -23,6 +23,7 @@ from types import ModuleType
 import torch
 
 from kvpool.model.cache import cache_root
+from kvpool.model.linear import packed_or_none
 from kvpool.model.quant import quantize
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,8 @@ def measure_small_rows(kernels: ModuleType, kind: str, k: int, n: int) -> int:
     copies = max(1, min(16, -(-STREAM_BYTES // (4 * n * k))))
     dense_copies = [w.t().contiguous() for _ in range(copies)]
     block_copies = [quantize(w, kind) for _ in range(copies)]
+    # decode runs up to GEMV_ROWS rows over a repacked copy (kernels/gemv.cpp): time that
+    packed = [packed_or_none(kernels, bw) for bw in block_copies]
     turn = [0]
 
     def next_copy(pool: list):
@@ -108,8 +111,10 @@ def measure_small_rows(kernels: ModuleType, kind: str, k: int, n: int) -> int:
         x = torch.randn(rows, k, generator=g)
 
         def blocks_call(x=x):
-            bw = next_copy(block_copies)
-            kernels.qlinear(x, bw.qs, bw.d, bw.m)
+            turn[0] += 1
+            i = turn[0] % copies
+            bw = block_copies[i]
+            kernels.qlinear(x, bw.qs, bw.d, bw.m, packed=packed[i])
 
         blocks = best_time(blocks_call)
         dense = best_time(lambda x=x: torch.mm(x, next_copy(dense_copies)))

@@ -49,6 +49,13 @@ class DenseLinear:
         return {"w_t": self.w_t, "bias": self.bias, "qs": None}
 
 
+def packed_or_none(kernels: ModuleType, bw: BlockWeights) -> torch.Tensor | None:
+    """``bw`` repacked for the few-row kernel (``kernels/gemv.cpp``), or None where it does
+    not run."""
+    packed = kernels.gemv_pack(bw.qs, bw.kind == "q4")
+    return packed if packed.numel() else None
+
+
 def _lanes(prompt: bool) -> dict:
     """The kernel's lanes path computes each row alike whatever the batch's size (the per-row
     tiles round in another order): a prompt step takes it for any number of rows, so a prompt's
@@ -71,8 +78,7 @@ class BlockLinear:
         self.prompt_blocks = prompt_blocks
         # the weights repacked for the few-row kernel (kernels/gemv.cpp), or None where it
         # does not run; a second copy of the blocks, read instead of them up to GEMV_ROWS rows
-        packed = kernels.gemv_pack(weights.qs, weights.kind == "q4")
-        self.packed = packed if packed.numel() else None
+        self.packed = packed_or_none(kernels, weights)
 
     def _big(self, x: torch.Tensor, prompt: bool) -> bool:
         if self.large is None:

@@ -54,12 +54,14 @@ def measure_machine(kernels=None) -> MachineLimits:
     gemm = best_time(lambda: torch.mm(a, b))
     block: dict[int, float] = {}
     if kernels is not None:
+        from kvpool.model.linear import packed_or_none
         from kvpool.model.quant import quantize
 
         w = quantize(torch.randn(3072, 1024) * 0.02, "q4")  # 1.9 MB: cache-resident
+        pk = packed_or_none(kernels, w)  # what decode runs up to GEMV_ROWS rows
         for rows in ROWS:
             x = torch.randn(rows, 1024)
-            t = best_time(lambda x=x: kernels.qlinear(x, w.qs, w.d, w.m))
+            t = best_time(lambda x=x: kernels.qlinear(x, w.qs, w.d, w.m, packed=pk))
             block[rows] = 2 * rows * 3072 * 1024 / t / 1e9
     return MachineLimits(cpu_name(), torch.get_num_threads(), BANDWIDTH_BYTES / read / 1e9,
                          2 * BANDWIDTH_BYTES / copy / 1e9, 2 * 1024**3 / gemm / 1e9, block)  # fmt: skip
