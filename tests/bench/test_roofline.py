@@ -92,7 +92,8 @@ def test_roofline_command_on_the_real_model_with_the_pool(tmp_path):
                 "--node-id", "roofline-node", "--log-level", "warning")  # fmt: skip
     try:
         out = subprocess.run([*kvpool_cmd(), "roofline", "--batches", "1,2", "--context", "96",
-                              "--new-tokens", "4", "--master", master.info["address"],
+                              "--new-tokens", "4", "--rounds", "2",
+                              "--master", master.info["address"],
                               "--out", str(tmp_path)],
                              capture_output=True, text=True, timeout=900)  # fmt: skip
     finally:
@@ -101,8 +102,14 @@ def test_roofline_command_on_the_real_model_with_the_pool(tmp_path):
     assert out.returncode == 0, out.stderr
     report = json.loads((tmp_path / "roofline.json").read_text())
     assert [r["batch"] for r in report["rows"]] == [1, 2]
+    assert report["rounds"] == 2
     for r in report["rows"]:
         assert r["step_s"] > 0 and r["weight_mb"] > 0 and r["bound"] in ("bandwidth", "compute")
+        # each round has its own bandwidth probe; of two, the row is the lower share's round
+        shares = [x["share"] for x in r["rounds"]]
+        assert len(shares) == 2 and all(x["read_gbps"] > 0 for x in r["rounds"])
+        assert r["share"] == min(shares)
+        assert r["step_s"] == r["rounds"][shares.index(min(shares))]["step_s"]
     for s in report["kv_sources"]:  # the second pass read its prompts' blocks from the pool
         assert s["pool_tokens"] == s["batch"] * 80, s  # 5 full blocks usable per prompt
         assert s["pool_load_bytes"] > 0 and s["computed_tokens"] < s["prompt_tokens"]

@@ -3,7 +3,10 @@
 Measures the read and copy bandwidth and the GEMM rates (cached per CPU, ``--fresh`` to
 measure again), then runs decode steps of the engine at each batch size and prints, per batch:
 the bytes a step moves (weights and KV), the bandwidth achieved and its share of the machine's,
-both ceilings on tokens/s, the bound that applies and how close the engine comes. Writes
+both ceilings on tokens/s, the bound that applies and how close the engine comes. It runs
+every batch ``--rounds`` times, each round beside a fresh probe of the read bandwidth (a shared
+VM's drifts by tens of percent within minutes): each share is against its own round's probe,
+and a batch's row is its round of median share (all rounds in the JSON). Writes
 ``roofline.json`` and ``roofline.png`` (achieved against the ceilings) into ``--out``.
 With ``--master`` the engine's KV connector uses that pool: each batch runs twice, the second
 time from the pool, and the report says where the KV came from and what loading it cost.
@@ -14,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 
@@ -27,6 +30,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batches", default="1,2,4,8,16,32", help="decode batch sizes")
     p.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     p.add_argument("--new-tokens", type=int, default=24, help="decode steps per batch")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of every batch, each beside a fresh bandwidth probe; a batch's "
+                        "row is its round of median share")  # fmt: skip
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     p.add_argument("--master", default=None, help="a store master HOST:PORT: KV from the pool")
     p.add_argument("--fresh", action="store_true", help="measure the machine again")
@@ -51,11 +57,12 @@ def run(args: argparse.Namespace) -> int:
     from kvpool.common.log import setup_logging
     from kvpool.engine.llm import LLM
     from kvpool.model.kernels import kernels
+    from kvpool.model.machine import read_gbps
 
     setup_logging(args.log_level)
     batches = _batches(args.batches)
-    if args.context < 1 or args.new_tokens < 2:
-        raise SystemExit("kvpool roofline: --context >= 1 and --new-tokens >= 2")
+    if args.context < 1 or args.new_tokens < 2 or args.rounds < 1:
+        raise SystemExit("kvpool roofline: --context >= 1, --new-tokens >= 2, --rounds >= 1")
     limits = rl.machine_limits(kernels(), fresh=args.fresh)
     print(f"machine: {limits.cpu}, {limits.threads} threads: read {limits.read_gbps:.1f} GB/s, "
           f"copy {limits.copy_gbps:.1f} GB/s, float32 GEMM {limits.gemm_gflops:.0f} GFLOP/s, "
@@ -78,22 +85,37 @@ def run(args: argparse.Namespace) -> int:
         f"{'batch':>5} {'step ms':>8} {'weights MB':>10} {'KV MB':>7} {'GB/s':>6} "
         f"{'of peak':>7} {'tok/s':>7} {'bw ceil':>8} {'cpu ceil':>8} {'share':>6}  bound"
     )
-    rows, sources = [], []
+    # a shared VM's bandwidth drifts by tens of percent within minutes: each round measures it
+    # again beside its decode steps, and a share is always against its own round's probe
+    runs: dict[int, list] = {b: [] for b in batches}
+    for r in range(args.rounds):
+        now = replace(limits, read_gbps=read_gbps())
+        for b in batches:
+            step = rl.measure_decode(llm, b, args.context, args.new_tokens)
+            runs[b].append(rl.analyze(now, rl.step_cost(model, b, args.context), b, args.context,
+                                      step))  # fmt: skip
+        print(f"round {r + 1}/{args.rounds}: read {now.read_gbps:.1f} GB/s, batch-{batches[0]} "
+              f"share {runs[batches[0]][-1].share:.2f}", file=sys.stderr)  # fmt: skip
+    rows, sources, rounds = [], [], {}
     for b in batches:
-        step = rl.measure_decode(llm, b, args.context, args.new_tokens)
-        row = rl.analyze(limits, rl.step_cost(model, b, args.context), b, args.context, step)
+        row = sorted(runs[b], key=lambda x: x.share)[(len(runs[b]) - 1) // 2]
         rows.append(row)
-        print(f"{b:>5} {step * 1e3:>8.2f} {row.weight_mb:>10.1f} {row.kv_mb:>7.1f} "
+        rounds[b] = [{"step_s": x.step_s, "share": x.share,
+                      "read_gbps": x.achieved_gbps / x.bandwidth_share} for x in runs[b]]  # fmt: skip
+        print(f"{b:>5} {row.step_s * 1e3:>8.2f} {row.weight_mb:>10.1f} {row.kv_mb:>7.1f} "
               f"{row.achieved_gbps:>6.2f} {row.bandwidth_share:>7.2f} {row.tok_s:>7.1f} "
               f"{row.bandwidth_ceiling_tok_s:>8.1f} {row.compute_ceiling_tok_s:>8.1f} "
-              f"{row.share:>6.2f}  {row.verdict}")  # fmt: skip
+              f"{row.share:>6.2f}  {row.verdict}  (rounds: "
+              f"{', '.join(f'{x.share:.2f}' for x in runs[b])})")  # fmt: skip
         if connector is not None:
             sources.append(_from_pool(llm, connector, b, args))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"machine": asdict(limits), "model": llm.engine.model_config.name,
               "weights": model.weight_format, "kv_format": model.kv_format,
-              "context": args.context, "rows": [asdict(r) | {"verdict": r.verdict} for r in rows],
+              "context": args.context, "rounds": args.rounds,
+              "rows": [asdict(r) | {"verdict": r.verdict, "rounds": rounds[r.batch]}
+                       for r in rows],
               "kv_sources": sources}  # fmt: skip
     (out / "roofline.json").write_text(json.dumps(report, indent=1))
     rl.plot(rows, limits, f"{llm.engine.model_config.name} ({model.weight_format} weights, "

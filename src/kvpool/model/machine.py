@@ -44,11 +44,18 @@ class MachineLimits:
         return cls(**d)
 
 
+def read_gbps() -> float:
+    """The read bandwidth now (GB/s): the best of five passes summing a buffer far beyond any
+    cache (``kvpool roofline`` measures it again beside each round of decode steps)."""
+    src = torch.ones(BANDWIDTH_BYTES // 4)
+    return BANDWIDTH_BYTES / best_time(lambda: src.sum(), reps=5) / 1e9
+
+
 def measure_machine(kernels=None) -> MachineLimits:
     """Read and copy bandwidth, float32 GEMM rate and the block kernel's rate, measured now."""
     n = BANDWIDTH_BYTES // 4
     src, dst = torch.ones(n), torch.empty(n)
-    read = best_time(lambda: src.sum(), reps=5)
+    read = read_gbps()
     copy = best_time(lambda: dst.copy_(src), reps=5)
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     gemm = best_time(lambda: torch.mm(a, b))
@@ -63,7 +70,7 @@ def measure_machine(kernels=None) -> MachineLimits:
             x = torch.randn(rows, 1024)
             t = best_time(lambda x=x: kernels.qlinear(x, w.qs, w.d, w.m, packed=pk))
             block[rows] = 2 * rows * 3072 * 1024 / t / 1e9
-    return MachineLimits(cpu_name(), torch.get_num_threads(), BANDWIDTH_BYTES / read / 1e9,
+    return MachineLimits(cpu_name(), torch.get_num_threads(), read,
                          2 * BANDWIDTH_BYTES / copy / 1e9, 2 * 1024**3 / gemm / 1e9, block)  # fmt: skip
 
 
