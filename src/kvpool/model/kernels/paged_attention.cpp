@@ -16,6 +16,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -26,6 +28,7 @@
 namespace {
 
 constexpr int64_t kLanes = 16;
+
 
 // Lane-wise partial sums (vectorizes without -ffast-math), reduced once at the end.
 template <typename T>
@@ -62,6 +65,28 @@ struct Shape {
   int64_t batch, q_heads, kv_heads, head_dim, block_size, max_blocks;
   int64_t s_block, s_kv, s_tok, s_head;  // strides of the [blocks, 2, bs, Hkv, D] layer view
   float scale;
+};
+
+// Brings the next task's keys and values (this layer's part of each of its blocks: 2 * s_kv
+// contiguous elements) into L2 while the current task computes, a few cache lines at a time
+// from inside the passes' loops. The loads of a task otherwise wait on memory: 30 layers at
+// batch 32 and 192 tokens read their KV at ~14 GB/s from memory, ~45 GB/s from cache, and
+// 1.16-1.21x faster with this (1.05x at 512 tokens, where a task nearly fills L2). With few
+// tasks a thread (batch 1-8) it cost 0-25 %: it runs from PREFETCH_FROM tasks a thread on.
+constexpr int64_t PREFETCH_FROM = 8;
+
+struct Prefetcher {
+  const char* base = nullptr;  // the layer view's first byte
+  const int64_t* blocks = nullptr;
+  int64_t nblocks = 0, block_stride = 0, bytes = 0;  // bytes per block's K + V; strides in bytes
+  int64_t j = 0, at = 0;
+  inline void step(int lines) {
+    for (int n = 0; n < lines && j < nblocks; ++n) {
+      _mm_prefetch(base + blocks[j] * block_stride + at, _MM_HINT_T1);
+      at += 64;
+      if (at >= bytes) at = 0, ++j;
+    }
+  }
 };
 
 // Where the cached rows of token i (of the chunk's sequence) start: keys; values are s_kv on.
@@ -129,7 +154,7 @@ inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 
 template <int DC, typename KV>
 void scores_pass512(const float* qf, const KV* kv, const int64_t* blocks, int64_t t0,
-                    int64_t t1, const Shape& s, float* scores) {
+                    int64_t t1, const Shape& s, float* scores, Prefetcher& pf) {
   const int64_t d = s.head_dim, group = s.q_heads / s.kv_heads, n = t1 - t0;
   for (int64_t hh = 0; hh < s.kv_heads; ++hh)
     for (int64_t g = 0; g < group; ++g) {
@@ -139,6 +164,7 @@ void scores_pass512(const float* qf, const KV* kv, const int64_t* blocks, int64_
       float* out = scores + r * n - t0;
       int64_t i = t0;
       for (; i + 4 <= t1; i += 4) {
+        pf.step(6);
         const KV* k[4];
         __m512 acc[4];
         for (int u = 0; u < 4; ++u) {
@@ -164,7 +190,7 @@ void scores_pass512(const float* qf, const KV* kv, const int64_t* blocks, int64_
 
 template <int DC, typename KV>
 void values_pass512(const float* probs, const KV* kv, const int64_t* blocks, int64_t t0,
-                    int64_t t1, const Shape& s, float* acc_out) {
+                    int64_t t1, const Shape& s, float* acc_out, Prefetcher& pf) {
   const int64_t d = s.head_dim, group = s.q_heads / s.kv_heads, n = t1 - t0;
   for (int64_t hh = 0; hh < s.kv_heads; ++hh)
     for (int64_t g = 0; g < group; ++g) {
@@ -173,6 +199,7 @@ void values_pass512(const float* probs, const KV* kv, const int64_t* blocks, int
       for (int c = 0; c < DC; ++c) acc[c] = _mm512_setzero_ps();
       const float* p = probs + r * n - t0;
       for (int64_t i = t0; i < t1; ++i) {
+        pf.step(2);
         const KV* v = token_row(kv, blocks, i, s) + s.s_kv + hh * s.s_head;
         const __m512 w = _mm512_set1_ps(p[i] * row_scale(v, d));
         for (int c = 0; c < DC; ++c) acc[c] = _mm512_fmadd_ps(w, load16(v + 16 * c), acc[c]);
@@ -185,21 +212,22 @@ void values_pass512(const float* probs, const KV* kv, const int64_t* blocks, int
 // Both passes over tokens [t0, t1) of one sequence, the wide ones where they apply.
 template <typename KV>
 void passes(const float* qf, const KV* kv, const int64_t* blocks, int64_t t0, int64_t t1,
-            const Shape& s, float* scores, float* acc, bool values) {
+            const Shape& s, float* scores, float* acc, bool values, Prefetcher& pf) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<KV, float> || std::is_same_v<KV, int8_t>) {
     if (s.head_dim == 64 || s.head_dim == 128) {
       if (s.head_dim == 64) {
-        values ? values_pass512<4>(scores, kv, blocks, t0, t1, s, acc)
-               : scores_pass512<4>(qf, kv, blocks, t0, t1, s, scores);
+        values ? values_pass512<4>(scores, kv, blocks, t0, t1, s, acc, pf)
+               : scores_pass512<4>(qf, kv, blocks, t0, t1, s, scores, pf);
       } else {
-        values ? values_pass512<8>(scores, kv, blocks, t0, t1, s, acc)
-               : scores_pass512<8>(qf, kv, blocks, t0, t1, s, scores);
+        values ? values_pass512<8>(scores, kv, blocks, t0, t1, s, acc, pf)
+               : scores_pass512<8>(qf, kv, blocks, t0, t1, s, scores, pf);
       }
       return;
     }
   }
 #endif
+  (void)pf;
   if (values) {
     std::fill(acc, acc + s.q_heads * s.head_dim, 0.f);
     values_pass(scores, kv, blocks, t0, t1, s, acc);
@@ -213,9 +241,9 @@ void passes(const float* qf, const KV* kv, const int64_t* blocks, int64_t t0, in
 // exp(score - mx) `l`, and the sum of exp(score - mx) * value `acc` (unnormalized).
 template <typename KV>
 void chunk(const float* qf, const KV* kv, const int64_t* blocks, int64_t t0, int64_t t1,
-           const Shape& s, float* scores, float* mx, float* l, float* acc) {
+           const Shape& s, float* scores, float* mx, float* l, float* acc, Prefetcher& pf) {
   const int64_t n = t1 - t0;
-  passes(qf, kv, blocks, t0, t1, s, scores, acc, false);
+  passes(qf, kv, blocks, t0, t1, s, scores, acc, false, pf);
   for (int64_t r = 0; r < s.q_heads; ++r) {
     float* row = scores + r * n;
     const float m = *std::max_element(row, row + n);
@@ -229,7 +257,7 @@ void chunk(const float* qf, const KV* kv, const int64_t* blocks, int64_t t0, int
     mx[r] = m;
     l[r] = sum;
   }
-  passes(qf, kv, blocks, t0, t1, s, scores, acc, true);
+  passes(qf, kv, blocks, t0, t1, s, scores, acc, true, pf);
 }
 
 // Work split: a sequence's tokens are cut into chunks of whole blocks so that there are a few
@@ -252,15 +280,29 @@ void decode(const T* q, const KV* kv, const int64_t* table, const int64_t* lens,
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(rows * d), scores;
     int64_t b = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
+    const auto span = [&](int64_t task, int64_t b, int64_t& t0, int64_t& t1) {
+      t0 = (task - first[b]) * per_task * s.block_size;
+      t1 = std::min(lens[b], t0 + per_task * s.block_size);
+    };
     for (int64_t task = begin; task < end; ++task) {
       while (task >= first[b + 1]) ++b;
-      const int64_t t0 = (task - first[b]) * per_task * s.block_size;
-      const int64_t t1 = std::min(lens[b], t0 + per_task * s.block_size);
+      int64_t t0, t1;
+      span(task, b, t0, t1);
+      Prefetcher pf;
+      if (task + 1 < end && end - begin >= PREFETCH_FROM) {  // the thread's next task
+        int64_t nb = b, n0, n1;
+        while (task + 1 >= first[nb + 1]) ++nb;
+        span(task + 1, nb, n0, n1);
+        pf = Prefetcher{reinterpret_cast<const char*>(kv), table + nb * s.max_blocks + n0 / s.block_size,
+                        (n1 - n0 + s.block_size - 1) / s.block_size,
+                        s.s_block * static_cast<int64_t>(sizeof(KV)),
+                        2 * s.s_kv * static_cast<int64_t>(sizeof(KV))};
+      }
       for (int64_t i = 0; i < rows * d; ++i) qf[i] = static_cast<float>(q[b * rows * d + i]) * s.scale;
       scores.resize(rows * (t1 - t0));
       float* st = states.data() + task * state;
       chunk(qf.data(), kv, table + b * s.max_blocks, t0, t1, s, scores.data(), st, st + rows,
-            st + 2 * rows);
+            st + 2 * rows, pf);
       if (first[b + 1] - first[b] == 1)  // the whole sequence: normalize in place
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t i = 0; i < d; ++i)
