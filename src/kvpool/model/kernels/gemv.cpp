@@ -83,14 +83,6 @@ GemvAct regroup(const QAct& a, int64_t M, int64_t K) {
   return g;
 }
 
-inline __m512i dot16(__m512i acc, __m512i a, __m512i b) {
-#if defined(__AVX512VNNI__)
-  return _mm512_dpwssd_epi32(acc, a, b);
-#else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
-#endif
-}
-
 // A chunk's block scales over the 16 lanes: one per lane (C = 16) or each on 8 lanes (C = 2).
 template <int C>
 inline __m512 chunk_scales(const float* p) {
@@ -151,8 +143,8 @@ inline void chunk(const QWeights& w, const uint8_t* pk, const GemvAct& x, int64_
         v1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
       }
       for (int j = 0; j < MT; ++j) {
-        s0[i][j] = dot16(s0[i][j], v0, x0[j]);
-        s1[i][j] = dot16(s1[i][j], v1, x1[j]);
+        s0[i][j] = dot_pairs(s0[i][j], v0, x0[j]);
+        s1[i][j] = dot_pairs(s1[i][j], v1, x1[j]);
       }
     }
   }

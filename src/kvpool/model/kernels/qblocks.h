@@ -100,6 +100,17 @@ inline QWeights check(const torch::Tensor& x, const torch::Tensor& qs, const tor
                   q4 ? m.data_ptr() : nullptr, N, K, nb, q4, half};
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// acc + the sums of adjacent int16 products of x and w, per int32 lane (vpdpwssd with VNNI)
+inline __m512i dot_pairs(__m512i acc, __m512i x, __m512i w) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, x, w);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(x, w));
+#endif
+}
+#endif
+
 // y (+)= x . W^T for M <= GEMV_ROWS rows over weights repacked by gemv_pack (gemv.cpp);
 // false when this build has no such path (no AVX-512) or the weights do not fit it.
 bool gemv(const QWeights& w, const uint8_t* packed, const QAct& a, int64_t M, float* y,

@@ -318,14 +318,6 @@ void widen_rows(const QWeights& w, int64_t n0, int NT, int16_t* w16) {
   }
 }
 
-inline __m512i dot_pairs(__m512i acc, __m512i x, __m512i w) {
-#if defined(__AVX512VNNI__)
-  return _mm512_dpwssd_epi32(acc, x, w);
-#else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(x, w));
-#endif
-}
-
 // Where the lanes kernel writes: output (m, n) at p[(m - m0) * ld + n - n0] (a thread's
 // buffer for a slice of rows and a block of columns, copied to y once complete).
 struct LaneOut {
