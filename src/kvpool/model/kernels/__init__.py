@@ -22,9 +22,8 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-_SOURCES = [
-    _DIR / n for n in ("paged_attention.cpp", "qgemm.cpp", "gemv.cpp", "decode.cpp", "bindings.cpp")
-]
+_KERNELS = ("paged_attention", "qgemm", "lanes", "gemv", "decode", "bindings")
+_SOURCES = [_DIR / f"{n}.cpp" for n in _KERNELS]
 _HEADERS = [_DIR / "kernels.h", _DIR / "qblocks.h"]
 _NAME = "kvpool_kernels"
 _lock = threading.Lock()

@@ -109,6 +109,9 @@ inline __m512i dot_pairs(__m512i acc, __m512i x, __m512i w) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(x, w));
 #endif
 }
+
+// y (+)= x . W^T for any M with 16 rows in a vector's lanes (lanes.cpp).
+void lanes(const QWeights& w, const QAct& a, int64_t M, float* y, bool acc);
 #endif
 
 // y (+)= x . W^T for M <= GEMV_ROWS rows over weights repacked by gemv_pack (gemv.cpp);

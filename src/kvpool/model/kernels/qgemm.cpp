@@ -18,7 +18,7 @@
 // integer arithmetic with twice the lanes (tile512_*; `wide=False` forces the AVX2 path, which
 // tests compare it with); its sums differ from the AVX2 path's only by float rounding order.
 // From LANES_FROM rows on (a decode batch), the AVX-512 path turns the tile around: lanes are
-// 16 activation rows, so a block's float scaling is paid once per 16 rows (lanes512, below).
+// 16 activation rows, so a block's float scaling is paid once per 16 rows (lanes.cpp).
 // Up to GEMV_ROWS rows (kernels.h), a caller that passes the weights repacked by gemv_pack runs
 // gemv.cpp instead, where a chunk of 16 blocks is scaled once per row.
 #include "kernels.h"
@@ -266,126 +266,6 @@ void tile512_q8(const QWeights& w, const QAct& a, int64_t n0, int64_t m0, float*
   finish512<S, NT, MT>(w, a, acc, n0, m0, y, ldy, accumulate);
 }
 
-// Many rows (a decode batch of 16 and more): the arithmetic above spends three float
-// instructions (convert, scale, add) on every 32-element block of every (weight row, activation
-// row) pair beside its two integer ones. Here vector lanes are 16 activation rows instead: a
-// broadcast pair of weights multiplies the same pair of elements of 16 rows (one vpdpwssd per 32
-// products), a block's scale is applied once per 16 rows, and a weight row is widened to int16
-// once per call and reused by every group of rows. Same integer products and scales as the other
-// paths; only the float rounding order differs.
-struct LaneAct {     // QAct regrouped: per group of 16 rows, element pairs in lane order
-  std::vector<int32_t> x;  // [groups][K / 2][16]: (x[k], x[k + 1]) of the group's 16 rows
-  std::vector<float> d, s;  // [groups][nb][16]
-  int64_t groups;
-};
-
-LaneAct lanes_of(const QAct& a, int64_t M, int64_t K) {
-  const int64_t groups = (M + 15) / 16, pairs = K / 2, nb = K / QK;
-  LaneAct t{std::vector<int32_t>(groups * pairs * 16, 0), std::vector<float>(groups * nb * 16, 0.f),
-            std::vector<float>(groups * nb * 16, 0.f), groups};
-  for (int64_t m = 0; m < M; ++m) {
-    const int64_t g = m / 16, l = m % 16;
-    const int16_t* row = a.q.data() + m * K;
-    int32_t* dst = t.x.data() + g * pairs * 16 + l;
-    for (int64_t p = 0; p < pairs; ++p) std::memcpy(dst + p * 16, row + 2 * p, sizeof(int32_t));
-    for (int64_t b = 0; b < nb; ++b) {
-      t.d[(g * nb + b) * 16 + l] = a.d[m * nb + b];
-      t.s[(g * nb + b) * 16 + l] = a.s[m * nb + b];
-    }
-  }
-  return t;
-}
-
-// NT weight rows, widened to int16 in element order, into `w16` ([NT][K]).
-template <bool Q4>
-void widen_rows(const QWeights& w, int64_t n0, int NT, int16_t* w16) {
-  const int64_t K = w.K;
-  for (int i = 0; i < NT; ++i) {
-    const int64_t n = n0 + i;
-    for (int64_t b = 0; b < w.nb; ++b) {
-      int16_t* dst = w16 + i * K + b * QK;
-      if constexpr (Q4) {
-        const __m256i bytes = _mm256_cvtepu8_epi16(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + n * (K / 2) + b * (QK / 2))));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
-                            _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16), _mm256_srli_epi16(bytes, 4));
-      } else {
-        _mm512_storeu_si512(dst, _mm512_cvtepi8_epi16(_mm256_loadu_si256(
-                                     reinterpret_cast<const __m256i*>(w.qs + n * K + b * QK))));
-      }
-    }
-  }
-}
-
-// Where the lanes kernel writes: output (m, n) at p[(m - m0) * ld + n - n0] (a thread's
-// buffer for a slice of rows and a block of columns, copied to y once complete).
-struct LaneOut {
-  float* p;
-  int64_t ld, m0, n0;
-};
-
-// NT weight rows (widened in w16) against G groups of 16 rows starting at group g0.
-template <bool Q4, typename S, int NT, int G>
-void lanes512(const QWeights& w, const int16_t* w16, const LaneAct& t, int64_t n0, int64_t g0,
-              int64_t M, const LaneOut& out) {
-  const int64_t K = w.K, nb = w.nb, pairs = K / 2;
-  __m512 acc[NT][G];
-  for (int i = 0; i < NT; ++i)
-    for (int g = 0; g < G; ++g) acc[i][g] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512i sum[NT][G];
-    for (int i = 0; i < NT; ++i)
-      for (int g = 0; g < G; ++g) sum[i][g] = _mm512_setzero_si512();
-    const int32_t* xb = t.x.data() + (g0 * pairs + b * (QK / 2)) * 16;
-    const int16_t* wb = w16 + b * QK;
-#pragma GCC unroll 16
-    for (int p = 0; p < QK / 2; ++p) {
-      __m512i x[G];
-      for (int g = 0; g < G; ++g) x[g] = _mm512_loadu_si512(xb + (g * pairs + p) * 16);
-      for (int i = 0; i < NT; ++i) {
-        int32_t pair;
-        std::memcpy(&pair, wb + i * K + 2 * p, sizeof(pair));
-        const __m512i wv = _mm512_set1_epi32(pair);
-        for (int g = 0; g < G; ++g) sum[i][g] = dot_pairs(sum[i][g], x[g], wv);
-      }
-    }
-    __m512 xd[G], xs[G];
-    for (int g = 0; g < G; ++g) {
-      xd[g] = _mm512_loadu_ps(t.d.data() + ((g0 + g) * nb + b) * 16);
-      if constexpr (Q4) xs[g] = _mm512_loadu_ps(t.s.data() + ((g0 + g) * nb + b) * 16);
-    }
-    for (int i = 0; i < NT; ++i) {
-      const __m512 wd = _mm512_set1_ps(to_f32(*scales<S>(w.d, (n0 + i) * nb + b)));
-      for (int g = 0; g < G; ++g)
-        acc[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][g]), _mm512_mul_ps(wd, xd[g]),
-                                    acc[i][g]);
-      if constexpr (Q4) {
-        const __m512 wm = _mm512_set1_ps(to_f32(*scales<S>(w.m, (n0 + i) * nb + b)));
-        for (int g = 0; g < G; ++g) acc[i][g] = _mm512_fmadd_ps(wm, xs[g], acc[i][g]);
-      }
-    }
-  }
-  alignas(64) float v[16];
-  for (int i = 0; i < NT; ++i)
-    for (int g = 0; g < G; ++g) {
-      _mm512_store_ps(v, acc[i][g]);
-      const int64_t m0 = (g0 + g) * 16, rows = std::min<int64_t>(16, M - m0);
-      float* dst = out.p + (m0 - out.m0) * out.ld + (n0 + i - out.n0);
-      for (int64_t l = 0; l < rows; ++l) dst[l * out.ld] = v[l];
-    }
-}
-
-// NT weight rows against the groups [g0, g1).
-template <bool Q4, typename S, int NT>
-void lanes_rows(const QWeights& w, const LaneAct& t, int16_t* w16, int64_t n0, int64_t g0,
-                int64_t g1, int64_t M, const LaneOut& out) {
-  widen_rows<Q4>(w, n0, NT, w16);
-  int64_t g = g0;
-  for (; g + 2 <= g1; g += 2) lanes512<Q4, S, NT, 2>(w, w16, t, n0, g, M, out);
-  if (g < g1) lanes512<Q4, S, NT, 1>(w, w16, t, n0, g, M, out);
-}
-
 template <bool Q4, typename S, int NT, int MT>
 void tile512(const QWeights& w, const QAct& a, int64_t n0, int64_t m0, float* y, int64_t ldy,
              bool accumulate) {
@@ -458,35 +338,6 @@ void rows(const QWeights& w, const QAct& a, int64_t n0, int64_t M, float* y, boo
   }
 }
 
-#if defined(KVPOOL_QGEMM_AVX512)
-// The lanes kernel for the weights' kind and scale type (as rows<NT> for the per-row tiles).
-template <int NT>
-void lanes_tile(const QWeights& w, const LaneAct& t, int16_t* w16, int64_t n0, int64_t g0,
-                int64_t g1, int64_t M, const LaneOut& out) {
-  if (w.q4) {
-    w.half ? lanes_rows<true, uint16_t, NT>(w, t, w16, n0, g0, g1, M, out)
-           : lanes_rows<true, float, NT>(w, t, w16, n0, g0, g1, M, out);
-  } else {
-    w.half ? lanes_rows<false, uint16_t, NT>(w, t, w16, n0, g0, g1, M, out)
-           : lanes_rows<false, float, NT>(w, t, w16, n0, g0, g1, M, out);
-  }
-}
-
-// Groups of 16 rows whose activations (int16) take about LANES_SLICE bytes: a prompt's
-// thousands of rows are run a slice at a time, all of a thread's weight rows against each,
-// so the slice stays in the core's L2 cache instead of being streamed once per weight tile.
-constexpr int64_t LANES_SLICE = 384 * 1024;
-
-int64_t slice_groups(int64_t K) {
-  return std::max<int64_t>(2, LANES_SLICE / (K * 2 * 16) / 2 * 2);
-}
-
-// Tiles whose outputs a thread collects before writing them to y: 16 columns, a cache line
-// of each row. Written straight from the kernel, four floats at a time, rows whose stride is a
-// multiple of 4 KiB (N = 1,024 or 3,072) all fall in one cache set and evict each other.
-constexpr int64_t LANES_BLOCK = 4;
-#endif
-
 void run(const QWeights& w, const QAct& a, int64_t M, float* y, bool acc, bool portable,
          bool wide, int64_t lanes_from) {
   // Threads split the weight rows: each row is read from memory once per call.
@@ -494,32 +345,7 @@ void run(const QWeights& w, const QAct& a, int64_t M, float* y, bool acc, bool p
   const int64_t tiles = (w.N + step - 1) / step;
 #if defined(KVPOOL_QGEMM_AVX512)
   if (wide && !portable && lanes_from > 0 && M >= lanes_from) {
-    const LaneAct t = lanes_of(a, M, w.K);
-    const int64_t slice = slice_groups(w.K), cols = LANES_BLOCK * step;
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      std::vector<int16_t> w16(step * w.K);
-      std::vector<float> buf(slice * 16 * cols);
-      for (int64_t g0 = 0; g0 < t.groups; g0 += slice) {
-        const int64_t g1 = std::min(t.groups, g0 + slice);
-        const int64_t m0 = g0 * 16, m1 = std::min(M, g1 * 16);
-        for (int64_t b0 = begin; b0 < end; b0 += LANES_BLOCK) {
-          const int64_t c0 = b0 * step, c1 = std::min(w.N, std::min(end, b0 + LANES_BLOCK) * step);
-          const LaneOut out{buf.data(), cols, m0, c0};
-          for (int64_t n0 = c0; n0 < c1; n0 += step) {
-            if (c1 - n0 >= step) {
-              lanes_tile<4>(w, t, w16.data(), n0, g0, g1, M, out);
-            } else {
-              for (int64_t n = n0; n < c1; ++n) lanes_tile<1>(w, t, w16.data(), n, g0, g1, M, out);
-            }
-          }
-          for (int64_t m = m0; m < m1; ++m) {
-            const float* src = buf.data() + (m - m0) * cols;
-            float* dst = y + m * w.N + c0;
-            for (int64_t c = 0; c < c1 - c0; ++c) dst[c] = acc ? dst[c] + src[c] : src[c];
-          }
-        }
-      }
-    });
+    lanes(w, a, M, y, acc);
     return;
   }
 #endif
