@@ -88,8 +88,10 @@ def run(args: argparse.Namespace) -> int:
     # a shared VM's bandwidth drifts by tens of percent within minutes: each round measures it
     # again beside its decode steps, and a share is always against its own round's probe
     runs: dict[int, list] = {b: [] for b in batches}
+    probes = []
     for r in range(args.rounds):
         now = replace(limits, read_gbps=read_gbps())
+        probes.append(now.read_gbps)
         for b in batches:
             step = rl.measure_decode(llm, b, args.context, args.new_tokens)
             runs[b].append(rl.analyze(now, rl.step_cost(model, b, args.context), b, args.context,
@@ -100,8 +102,8 @@ def run(args: argparse.Namespace) -> int:
     for b in batches:
         row = sorted(runs[b], key=lambda x: x.share)[(len(runs[b]) - 1) // 2]
         rows.append(row)
-        rounds[b] = [{"step_s": x.step_s, "share": x.share,
-                      "read_gbps": x.achieved_gbps / x.bandwidth_share} for x in runs[b]]  # fmt: skip
+        rounds[b] = [{"step_s": x.step_s, "share": x.share, "read_gbps": gbps}
+                     for x, gbps in zip(runs[b], probes, strict=True)]  # fmt: skip
         print(f"{b:>5} {row.step_s * 1e3:>8.2f} {row.weight_mb:>10.1f} {row.kv_mb:>7.1f} "
               f"{row.achieved_gbps:>6.2f} {row.bandwidth_share:>7.2f} {row.tok_s:>7.1f} "
               f"{row.bandwidth_ceiling_tok_s:>8.1f} {row.compute_ceiling_tok_s:>8.1f} "
