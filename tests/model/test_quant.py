@@ -119,6 +119,21 @@ def test_qlinear_lanes_path_agrees_with_the_per_row_path(kind, rows, half):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [5, 40])
+def test_qlinear_lanes_path_reads_rows_of_a_wider_tensor(rows):
+    # the lanes path quantizes x straight from its rows (lanes.cpp): a view whose rows sit
+    # further apart than K gives the same bits as its contiguous copy
+    bw = quantize(weights(20, 96, rows), "q4")
+    wide = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    x = wide[:, 32:128]
+    assert x.stride(0) == 160
+    got = kern.qlinear(x, bw.qs, bw.d, bw.m, lanes_from=1)
+    assert torch.equal(got, kern.qlinear(x.contiguous(), bw.qs, bw.d, bw.m, lanes_from=1))
+    want = x @ bw.dequantize().t()
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+@needs_kernel
 @pytest.mark.parametrize("kind", ["q4", "q8"])
 def test_qlinear_lanes_path_gives_a_row_the_same_bits_in_any_batch(kind):
     # prompt steps run it for any number of rows, so a prompt's results do not depend on the

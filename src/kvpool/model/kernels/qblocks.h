@@ -110,8 +110,9 @@ inline __m512i dot_pairs(__m512i acc, __m512i x, __m512i w) {
 #endif
 }
 
-// y (+)= x . W^T for any M with 16 rows in a vector's lanes (lanes.cpp).
-void lanes(const QWeights& w, const QAct& a, int64_t M, float* y, bool acc);
+// y (+)= x . W^T for any M with 16 rows in a vector's lanes (lanes.cpp); x: [M, K] floats, rows
+// lda apart, quantized per block as quantize_rows does.
+void lanes(const QWeights& w, const float* x, int64_t lda, int64_t M, float* y, bool acc);
 #endif
 
 // y (+)= x . W^T for M <= GEMV_ROWS rows over weights repacked by gemv_pack (gemv.cpp);

@@ -339,17 +339,10 @@ void rows(const QWeights& w, const QAct& a, int64_t n0, int64_t M, float* y, boo
 }
 
 void run(const QWeights& w, const QAct& a, int64_t M, float* y, bool acc, bool portable,
-         bool wide, int64_t lanes_from) {
+         bool wide) {
   // Threads split the weight rows: each row is read from memory once per call.
   const int64_t step = 4;
   const int64_t tiles = (w.N + step - 1) / step;
-#if defined(KVPOOL_QGEMM_AVX512)
-  if (wide && !portable && lanes_from > 0 && M >= lanes_from) {
-    lanes(w, a, M, y, acc);
-    return;
-  }
-#endif
-  (void)lanes_from;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * step, nt = std::min(step, w.N - n0);
@@ -393,6 +386,12 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch:
     y = torch::empty({M, w.N}, x.options());
   }
   if (M == 0) return y;
+#if defined(KVPOOL_QGEMM_AVX512)
+  if (wide && !portable && lanes_from > 0 && M >= lanes_from) {  // quantizes x itself
+    lanes(w, x.data_ptr<float>(), x.stride(0), M, y.data_ptr<float>(), acc);
+    return y;
+  }
+#endif
   const QAct a = quantize_rows(x.data_ptr<float>(), M, w.K, x.stride(0));
   if (packed.has_value() && packed->defined() && packed->numel() > 0 && wide && !portable &&
       !(lanes_from > 0 && M >= lanes_from)) {
@@ -402,7 +401,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch:
     if (gemv(w, static_cast<const uint8_t*>(packed->data_ptr()), a, M, y.data_ptr<float>(), acc))
       return y;
   }
-  run(w, a, M, y.data_ptr<float>(), acc, portable, wide, lanes_from);
+  run(w, a, M, y.data_ptr<float>(), acc, portable, wide);
   return y;
 }
 
