@@ -78,6 +78,26 @@ void widen_rows(const QWeights& w, int64_t n0, int NT, int16_t* w16) {
   }
 }
 
+// The next tile's weight rows (and their scales) into L2 while this tile computes: widening
+// a tile was where a decode batch waited for its weights to come from memory (the rows are
+// contiguous, but a tile's short read between long stretches of arithmetic left the hardware
+// prefetcher behind).
+template <bool Q4>
+void prefetch_rows(const QWeights& w, int64_t n0, int NT) {
+  if (n0 >= w.N) return;
+  const int64_t rows = std::min<int64_t>(NT, w.N - n0), width = Q4 ? w.K / 2 : w.K;
+  const char* p = reinterpret_cast<const char*>(w.qs + n0 * width);
+  for (int64_t off = 0; off < rows * width; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+  const int64_t scale_bytes = w.half ? 2 : 4;
+  const char* d = static_cast<const char*>(w.d) + n0 * w.nb * scale_bytes;
+  for (int64_t off = 0; off < rows * w.nb * scale_bytes; off += 64) _mm_prefetch(d + off, _MM_HINT_T1);
+  if constexpr (Q4) {
+    const char* m = static_cast<const char*>(w.m) + n0 * w.nb * scale_bytes;
+    for (int64_t off = 0; off < rows * w.nb * scale_bytes; off += 64)
+      _mm_prefetch(m + off, _MM_HINT_T1);
+  }
+}
+
 // Where the lanes kernel writes: output (m, n) at p[(m - m0) * ld + n - n0] (a thread's
 // buffer for a slice of rows and a block of columns, copied to y once complete).
 struct LaneOut {
@@ -141,6 +161,7 @@ template <bool Q4, typename S, int NT>
 void lanes_rows(const QWeights& w, const LaneAct& t, int16_t* w16, int64_t n0, int64_t g0,
                 int64_t g1, int64_t M, const LaneOut& out) {
   widen_rows<Q4>(w, n0, NT, w16);
+  prefetch_rows<Q4>(w, n0 + NT, NT);
   int64_t g = g0;
   for (; g + 2 <= g1; g += 2) lanes512<Q4, S, NT, 2>(w, w16, t, n0, g, M, out);
   if (g < g1) lanes512<Q4, S, NT, 1>(w, w16, t, n0, g, M, out);
