@@ -152,25 +152,34 @@ class LlamaModel:
         # a step with prompt tokens runs every row on one path (``linear.py``), so a prompt's
         # KV and its logprobs do not depend on how the scheduler cut it into chunks
         prompt = bool(meta.prefills)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        # the fused step's C++ RoPE and MLP activation serve this path too, where built
+        fused = self.fused if meta.kernels is not None else None
+        if fused is None:
+            cos = self.cos[positions].unsqueeze(1)
+            sin = self.sin[positions].unsqueeze(1)
         t = input_ids.shape[0]
         heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         inter = cfg.intermediate_size
         for i, layer in enumerate(self.layers):
             x = self._rms(h, layer.ln_attn)
             qkv = layer.qkv(x, prompt)
-            # q and k rotate together: one RoPE pass over [T, Hq + Hkv, D]
-            qk = self._rope(
-                qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, d), cos, sin
-            )
+            if fused is not None:  # in place, one pass (kernels/decode.cpp)
+                fused.rope_rows_(qkv, positions)
+                qk = qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, d)
+            else:  # q and k rotate together: one RoPE pass over [T, Hq + Hkv, D]
+                qk = self._rope(
+                    qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, d), cos, sin
+                )
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, d)
             a = paged_attention(q, k, v, kv_cache[:, i], meta)
             h = layer.o.add_to(h, a, prompt)  # residual add fused into the GEMM
             x = self._rms(h, layer.ln_mlp)
             gu = layer.gate_up(x, prompt)
-            act = F.silu(gu[:, :inter], inplace=True).mul_(gu[:, inter:])
+            if fused is not None:
+                act = fused.silu_mul_rows(gu)
+            else:
+                act = F.silu(gu[:, :inter], inplace=True).mul_(gu[:, inter:])
             h = layer.down.add_to(h, act, prompt)
         return self._rms(h, self.norm)
 

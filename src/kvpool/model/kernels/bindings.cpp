@@ -19,5 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor,
                     torch::Tensor>())
       .def("add_layer", &kvpool::DecodeModel::add_layer)
-      .def("forward", &kvpool::DecodeModel::forward);
+      .def("forward", &kvpool::DecodeModel::forward)
+      .def("rope_rows_", &kvpool::DecodeModel::rope_rows_)
+      .def("silu_mul_rows", &kvpool::DecodeModel::silu_mul_rows);
 }

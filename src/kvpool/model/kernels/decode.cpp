@@ -3,7 +3,8 @@
 // residual adds, without going back to Python between ops. At one or a few sequences a step
 // is short (milliseconds) and made of ~300 small ops; dispatching each from Python costs more
 // than the arithmetic of most of them. The math is the Python path's (model/llama.py), which
-// still runs prefill chunks and mixed steps.
+// still runs prefill chunks and mixed steps, with this file's RoPE and MLP activation
+// (rope_rows_, silu_mul_rows) where the kernels are built.
 #include "kernels.h"
 
 #include <algorithm>
@@ -135,6 +136,45 @@ void DecodeModel::add_layer(py::dict layer) {
           layer["ln_attn"].cast<torch::Tensor>().contiguous(),
           layer["ln_mlp"].cast<torch::Tensor>().contiguous()};
   layers_.push_back(std::move(l));
+}
+
+// The prompt path's RoPE (model/llama.py): q and k of every row of `qkv` ([T, (Hq + 2 Hkv) d])
+// rotated in place at `positions`, rows split over the threads; one pass instead of torch's
+// five (negate, concatenate, two products, a sum), which ran on one thread at a prompt chunk's
+// sizes while the other core waited.
+void DecodeModel::rope_rows_(torch::Tensor qkv, torch::Tensor positions) const {
+  const int64_t d = cos_.size(1), heads = heads_ + kv_heads_;
+  TORCH_CHECK(qkv.scalar_type() == torch::kFloat && qkv.dim() == 2 && qkv.stride(1) == 1 &&
+                  qkv.size(1) >= heads * d,
+              "qkv must be a float32 [T, >= (heads + kv_heads) * head_dim] tensor with contiguous rows");
+  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.is_contiguous() &&
+                  positions.numel() == qkv.size(0),
+              "positions must be a contiguous int64 [T] tensor");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < qkv.size(0); ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_.size(0), "position out of range");
+  float* x = qkv.data_ptr<float>();
+  const int64_t ld = qkv.stride(0);
+  const float* cs = cos_.data_ptr<float>();
+  const float* sn = sin_.data_ptr<float>();
+  at::parallel_for(0, qkv.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) rope(x + t * ld, heads, d, cs + pos[t] * d, sn + pos[t] * d);
+  });
+}
+
+// silu(gate) * up of the prompt path's MLP ([T, 2 inter] -> [T, inter]), rows split over the
+// threads (torch's silu_ and mul_ were two passes).
+torch::Tensor DecodeModel::silu_mul_rows(torch::Tensor gu) const {
+  TORCH_CHECK(gu.scalar_type() == torch::kFloat && gu.dim() == 2 && gu.is_contiguous() &&
+                  gu.size(1) == 2 * inter_,
+              "gu must be a contiguous float32 [T, 2 * intermediate_size] tensor");
+  auto act = torch::empty({gu.size(0), inter_}, gu.options());
+  const float* g = gu.data_ptr<float>();
+  float* a = act.data_ptr<float>();
+  at::parallel_for(0, gu.size(0), 8, [&](int64_t begin, int64_t end) {
+    kvpool::silu_mul(g + begin * 2 * inter_, a + begin * inter_, end - begin, inter_);
+  });
+  return act;
 }
 
 torch::Tensor DecodeModel::forward(torch::Tensor h, torch::Tensor positions,

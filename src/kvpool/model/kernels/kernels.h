@@ -42,6 +42,9 @@ class DecodeModel {
   torch::Tensor forward(torch::Tensor h, torch::Tensor positions, torch::Tensor kv_cache,
                         torch::Tensor block_table, torch::Tensor lens, torch::Tensor slot_blocks,
                         torch::Tensor slot_offsets);
+  // The prompt path's RoPE (in place) and silu(gate) * up, with this model's tables.
+  void rope_rows_(torch::Tensor qkv, torch::Tensor positions) const;
+  torch::Tensor silu_mul_rows(torch::Tensor gu) const;
 
  private:
   int64_t heads_, kv_heads_, head_dim_, inter_;
