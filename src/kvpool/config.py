@@ -307,6 +307,7 @@ class ConductorConfig:
     slo_ttft: float = 30.0  # seconds (0: off)
     slo_tbt: float = 2.0  # seconds (0: off)
     decode_prefill_tokens: int = 64  # at most this many left: no prefill hand-off
+    decode_prefill_gain: float = 2.0  # a decode worker takes a whole prompt when TTFT / this
     max_inflight: int = 64  # requests in flight before 429
     log_level: str = "info"
     http: HttpLimits = field(default_factory=HttpLimits)
@@ -324,6 +325,8 @@ class ConductorConfig:
             raise ValueError("slo_ttft, slo_tbt and balancing_threshold must be >= 0")
         if self.decode_prefill_tokens < 0 or self.max_inflight < 1:
             raise ValueError("decode_prefill_tokens must be >= 0 and max_inflight >= 1")
+        if self.decode_prefill_gain != 0 and not self.decode_prefill_gain >= 1:
+            raise ValueError("decode_prefill_gain must be 0 (off) or >= 1")
         _check_log_level(self.log_level)
 
 
@@ -337,14 +340,16 @@ class ClusterConfig:
     colocated: int = 0  # N workers doing both with local prefix caching only (no pool)
     store_memory: int | str = "1GiB"  # the node's DRAM
     prefill_chunk: int = 128  # prefill workers' tokens per step (0: max_num_batched_tokens)
+    decode_chunk: int = 256  # decode workers' tokens per step (0: max_num_batched_tokens)
     decode_threads: int | None = None  # torch threads of each decode worker (None: its share)
     engine: EngineConfig = field(default_factory=EngineConfig)
     conductor: ConductorConfig = field(default_factory=ConductorConfig)
 
     def __post_init__(self) -> None:
         self.store_memory = parse_size(self.store_memory)
-        if min(self.colocated, self.prefill, self.decode, self.prefill_chunk) < 0:
-            raise ValueError("worker counts and prefill_chunk must be >= 0")
+        if min(self.colocated, self.prefill, self.decode, self.prefill_chunk,
+               self.decode_chunk) < 0:  # fmt: skip
+            raise ValueError("worker counts, prefill_chunk and decode_chunk must be >= 0")
         if self.decode_threads is not None and self.decode_threads < 1:
             raise ValueError("decode_threads must be >= 1")
         if not self.colocated and self.prefill + self.decode < 1:

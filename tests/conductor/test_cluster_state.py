@@ -3,12 +3,14 @@ the real workers are in tests/integration/e2e)."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
 
 from kvpool.common.rpc import RpcServer
 from kvpool.conductor.cluster import ClusterState
+from kvpool.conductor.cluster_state import BACKLOG_WINDOW_S, decay_backlog
 from kvpool.engine.block_pool import MAX_EVENTS, BlockPool
 from kvpool.engine.step_model import StepModel
 
@@ -85,6 +87,23 @@ def test_prefills_routed_since_the_last_poll_count_as_queue(worker):
     w.pending_tokens -= 900
     assert cluster.snapshot().workers[0].load.queued_prefill_tokens == 5
     cluster.close()
+
+
+def test_backlogged_is_the_recent_share_of_time_with_a_queue(worker):
+    _, srv = worker  # it always reports 5 queued prompt tokens
+    cluster = ClusterState([srv.address], poll_interval=60)
+    cluster.poll_once()
+    first = cluster.snapshot().workers[0].load.backlogged
+    time.sleep(0.3)
+    later = cluster.snapshot().workers[0].load.backlogged
+    assert 0 <= first < later < 1
+    cluster.close()
+    assert decay_backlog(0.0, True, 0.0) == 0.0
+    full = decay_backlog(0.0, True, BACKLOG_WINDOW_S)  # one time constant of queue
+    assert full == pytest.approx(1 - math.exp(-1))
+    assert decay_backlog(0.0, True, 10 * BACKLOG_WINDOW_S) > 0.99
+    assert decay_backlog(full, False, BACKLOG_WINDOW_S) == pytest.approx(full * math.exp(-1))
+    assert decay_backlog(0.5, True, -1.0) == 0.5  # a clock step back changes nothing
 
 
 def test_too_many_events_fall_back_to_a_snapshot():

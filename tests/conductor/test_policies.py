@@ -13,7 +13,7 @@ from kvpool.conductor.cluster_state import (
     WorkerView,
 )
 from kvpool.conductor.policies import get_policy, predicted_tbt, predicted_ttft
-from kvpool.conductor.router import Router, SLOConfig
+from kvpool.conductor.router import LEND_BACKLOG, Router, SLOConfig
 
 COST = CostModel(prefill_base_s=0.01, prefill_token_s=0.001, decode_base_s=0.02,
                  decode_seq_s=0.005)  # fmt: skip
@@ -21,9 +21,11 @@ HASHES = tuple(bytes([i]) * 16 for i in range(8))  # an 8-block chain
 BLOCK_BYTES = 1 << 20
 
 
-def worker(wid, role="prefill", cached=0, queued=0, running=0, remaining=(), inflight=0):
-    load = WorkerLoad(queued, running, 0, 0.0, list(remaining), inflight)
-    return WorkerView(wid, role, f"h:{wid}", f"r:{wid}", load, COST, set(HASHES[:cached]))
+def worker(wid, role="prefill", cached=0, queued=0, running=0, remaining=(), inflight=0,
+           backlogged=0.0, step_tokens=0):  # fmt: skip
+    load = WorkerLoad(queued, running, 0, 0.0, list(remaining), inflight, backlogged)
+    return WorkerView(wid, role, f"h:{wid}", f"r:{wid}", load, COST, set(HASHES[:cached]),
+                      step_tokens=step_tokens)  # fmt: skip
 
 
 def req(blocks=8, pool=0, tokens=None):
@@ -211,6 +213,68 @@ def test_short_remainders_skip_the_prefill_hand_off():
     assert with_slo.route(queued, nearly_cached, 0).prefill is not None
     with pytest.raises(ValueError):
         Router(get_policy("cache_aware"), slo, decode_prefill_tokens=-1)
+
+
+def test_a_decode_worker_is_lent_whole_prompts_when_the_prefill_queue_is_far_behind():
+    slo = SLOConfig(ttft_s=None, tbt_s=None)
+    lend = Router(get_policy("cache_aware"), slo, decode_prefill_gain=2.0)
+    cold = req()  # 133 tokens to compute: 0.143 s on either worker
+
+    def prefill(queued, backlogged=1.0):
+        return worker("p", queued=queued, backlogged=backlogged)
+
+    both_idle = snap(prefill(0, 0.0), worker("d", role="decode"))
+    r = lend.route(both_idle, cold, 0)  # no gain: disaggregation as usual
+    assert r.prefill is not None and r.decode_prompt_tokens == 0 and r.on_decode == ""
+    # 1,000 tokens queued on the prefill worker, for a while: 1.153 s there, 0.143 s on the
+    # idle decode worker
+    behind = snap(prefill(1000), worker("d", role="decode"))
+    r = lend.route(behind, cold, 0)
+    assert r.prefill is None and r.decode.worker_id == "d" and r.on_decode == "lent"
+    assert r.decode_prompt_tokens == 133 and r.predicted_ttft_s == pytest.approx(0.143)
+    # the same queue just after a burst (its queue empty most of the last seconds): handed off
+    burst = snap(prefill(1000, backlogged=LEND_BACKLOG - 0.05), worker("d", role="decode"))
+    assert lend.route(burst, cold, 0).prefill is not None
+    # four running streams: each waits 0.143 s once (0.572 s in all, half of it counted) for
+    # a 0.97 s gain: lent
+    four = snap(prefill(1000), worker("d", role="decode", running=4))
+    assert lend.route(four, cold, 0).on_decode == "lent"
+    # sixteen: 2.288 s of delays (1.144 s counted) for a 0.91 s gain: handed off
+    sixteen = snap(prefill(1000), worker("d", role="decode", running=16))
+    assert lend.route(sixteen, cold, 0).prefill is not None
+    # the decode worker's own queue counts: 1,000 tokens there too, no gain
+    queued = snap(prefill(1000), worker("d", role="decode", queued=1000))
+    assert lend.route(queued, cold, 0).prefill is not None
+    # less than the required factor: 0.3 s there against 0.143 s (2.1x) is lent at 2, not at 3
+    near = snap(prefill(147), worker("d", role="decode"))
+    assert lend.route(near, cold, 0).on_decode == "lent"
+    strict = Router(get_policy("cache_aware"), slo, decode_prefill_gain=3.0)
+    assert strict.route(near, cold, 0).prefill is not None
+    # a prompt step longer than the TBT SLO would break it for the running streams
+    tight = Router(get_policy("cache_aware"), SLOConfig(ttft_s=None, tbt_s=0.15),
+                   decode_prefill_gain=2.0)  # fmt: skip
+    assert tight.route(four, cold, 0).prefill is not None
+    # unless its steps hold 64 tokens: 60 of the prompt and 4 decodes, 0.11 s a step
+    chunked = snap(prefill(1000), worker("d", role="decode", running=4, step_tokens=64))
+    assert tight.route(chunked, cold, 0).on_decode == "lent"
+    assert tight.route(behind, cold, 0).on_decode == "lent"  # nothing running: no gap
+    never = Router(get_policy("cache_aware"), slo, decode_prefill_gain=0.0)
+    assert never.route(behind, cold, 0).prefill is not None
+    for bad in (0.5, -1.0, float("nan")):
+        with pytest.raises(ValueError):
+            Router(get_policy("cache_aware"), slo, decode_prefill_gain=bad)
+
+
+def test_the_route_says_how_many_prompt_tokens_its_decode_side_computes():
+    slo = SLOConfig(ttft_s=None, tbt_s=None)
+    router = Router(get_policy("cache_aware"), slo, decode_prefill_tokens=64)
+    r = router.route(snap(worker("p"), worker("d", role="decode")), req(blocks=8, pool=8), 0)
+    assert r.on_decode == "remainder" and r.decode_prompt_tokens == 5
+    colocated = router.route(snap(worker("a", role="both", cached=2)), req(), 0)
+    assert colocated.prefill is None and colocated.on_decode == ""
+    assert colocated.decode_prompt_tokens == 133 - 32
+    alone = router.route(snap(worker("d", role="decode")), req(), 0)  # no prefill worker alive
+    assert alone.on_decode == "no_prefill" and alone.decode_prompt_tokens == 133
 
 
 def test_ties_are_broken_by_id_with_numbers_by_value():

@@ -29,6 +29,11 @@ def test_round_trip_through_the_wire():
     assert back.load.loading == 1
     snap = status(events=(), snapshot=(b"\x03" * 16,))
     assert WorkerStatus.from_wire(unpack(pack(snap.to_wire()))).snapshot == (b"\x03" * 16,)
+    assert back.step_tokens == 0  # unknown
+    assert WorkerStatus.from_wire(status(step_tokens=256).to_wire()).step_tokens == 256
+    older = status().to_wire()
+    del older["step_tokens"]  # a worker from before the field: unknown
+    assert WorkerStatus.from_wire(older).step_tokens == 0
 
 
 @pytest.mark.parametrize(
@@ -45,6 +50,8 @@ def test_round_trip_through_the_wire():
         (lambda d: d["load"].pop("running"), "load"),
         (lambda d: d.update(load=[1, 2]), "load"),
         (lambda d: d.update(cost={"prefill_token_s": "fast"}), "cost"),
+        (lambda d: d.update(step_tokens=-1), "step_tokens"),
+        (lambda d: d.update(step_tokens=2.5), "step_tokens"),
     ],
 )
 def test_a_malformed_status_is_a_protocol_error(change, why):

@@ -21,5 +21,6 @@ def test_calibrate_writes_a_profile_of_this_machine(tmp_path):
     p = load_profile(out)
     assert p.node.host_cores is not None and p.node.decode_tail
     assert p.node.prefill_chunk_tokens == ClusterConfig().prefill_chunk
+    assert p.node.decode_chunk_tokens == ClusterConfig().decode_chunk
     assert p.measured["r2"] > 0.9 and len(p.measured["samples"]) >= 8
     assert p.network.bytes_per_s > 0

@@ -12,7 +12,11 @@ from kvpool.sim.systems import SimConfig, SystemSpec
 
 
 def cfg(profile, **kw) -> SimConfig:
-    return SimConfig(profile, 4, **{"decode_prefill_tokens": 0, "poll_interval": 0.0, **kw})
+    return SimConfig(
+        profile,
+        4,
+        **{"decode_prefill_tokens": 0, "decode_prefill_gain": 0.0, "poll_interval": 0.0, **kw},
+    )
 
 
 class Spy(Policy):
@@ -151,3 +155,24 @@ def test_capacities_follow_the_block_size():
     told = SimCluster(system, SimConfig(toy, 2, local_cache_blocks=7, pool_blocks_per_node=9,
                                         pool_nodes=3), reqs)  # fmt: skip
     assert told.nodes[0].cache.capacity == 7 and told.pool.stats()["pool_capacity_blocks"] == 27
+
+
+def test_a_sustained_prefill_queue_lends_prompts_to_the_decode_node():
+    """The conductor's lending rule in the loop: with a prefill queue full for seconds, some
+    prompts are computed by the decode node and the work ends sooner; never in a burst."""
+    toy = toy_profile()
+    load = [request(i, i * 0.05, 40, 2, f"u{i}") for i in range(120)]
+    spec = SystemSpec("d", "cache_aware", prefill=1, decode=1, pool=False)
+    lend = simulate(spec, cfg(toy, decode_prefill_gain=2.0), load)
+    keep = simulate(spec, cfg(toy), load)
+    on_decode = [x for x in lend.records if x.prefill_node == x.decode_node]
+    assert on_decode and len(on_decode) < len(load)
+    assert not [x for x in keep.records if x.prefill_node == x.decode_node]
+
+    def makespan(r):
+        return max(x.sent_s + x.end_s for x in r.records)
+
+    assert makespan(lend) < makespan(keep)
+    burst = [request(i, 0.0, 40, 2, f"u{i}") for i in range(4)]  # no time to build a backlog
+    once = simulate(spec, cfg(toy, decode_prefill_gain=2.0), burst)
+    assert all(x.prefill_node == "prefill-0" for x in once.records)

@@ -13,7 +13,9 @@ EXACT = {"rel": 1e-12, "abs": 1e-15}
 
 
 def cfg(profile, **kw) -> SimConfig:
-    return SimConfig(profile, 4, decode_prefill_tokens=0, poll_interval=0.0, **kw)
+    return SimConfig(
+        profile, 4, decode_prefill_tokens=0, decode_prefill_gain=0.0, poll_interval=0.0, **kw
+    )
 
 
 def disagg(policy="cache_aware", pool=False, prefill=1, decode=1) -> SystemSpec:

@@ -44,7 +44,7 @@ from kvpool.common.rpc_pool import RpcPool
 from kvpool.conductor.cluster import ClusterState
 from kvpool.conductor.cluster_state import RequestInfo
 from kvpool.conductor.metrics import ConductorMetrics
-from kvpool.conductor.relay import Flight, Relay, RelayResponse, WorkerFailedError
+from kvpool.conductor.relay import Flight, Relay, RelayResponse, WorkerFailedError, queue_on
 from kvpool.conductor.router import Route, Router
 from kvpool.conductor.vllm_relay import VllmCalls
 from kvpool.config import HttpLimits
@@ -224,11 +224,16 @@ class Conductor(VllmCalls):
                 if route.prefill is not None and not parsed.computes_on_decode \
                 else (None, None, None)  # fmt: skip
             self.metrics.routed.labels(route.decode.worker_id, "decode").inc()
+            if route.on_decode:
+                self.metrics.on_decode.labels(route.on_decode).inc()
             dec = self.cluster.worker(route.decode.worker_id)
             if dec is not None and dec.backend is not None:  # a vLLM server: the client's body
                 response = await self._to_vllm(request, route, raw, parsed, info, t0, flight)
                 return response
             url = f"http://{self._http_of(route.decode.worker_id)}/internal/generate"
+            # the prompt it computes itself is queue time for the next requests routed there
+            # until its first token (its own report lags by a poll)
+            queued = flight.also(queue_on(dec, route.decode_prompt_tokens if cached is None else 0))
             decode = DecodeRequest(f"decode-{uuid.uuid4().hex}", parsed.kind, ids, parsed.params,
                                    stream, parsed.include_usage, cached, handle,
                                    more_token_ids=parsed.more_ids, echo=parsed.echo,
@@ -237,7 +242,8 @@ class Conductor(VllmCalls):
             body = json.dumps(decode.to_wire()).encode()
             if stream:
                 response = RelayResponse(self.relay.stream(url, body, route.decode.worker_id,
-                                                           t0, flight, opening), flight)  # fmt: skip
+                                                           t0, flight, opening,
+                                                           on_first=queued), flight)  # fmt: skip
                 return response
             return await self.relay.json(request, url, body, route.decode.worker_id, t0,
                                          flight)  # fmt: skip

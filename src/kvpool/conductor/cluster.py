@@ -20,7 +20,12 @@ from dataclasses import dataclass, field, replace
 from kvpool.common.errors import KVPoolError
 from kvpool.common.hashing import leading_true
 from kvpool.common.rpc import RpcClient
-from kvpool.conductor.cluster_state import ClusterSnapshot, WorkerLoad, WorkerView
+from kvpool.conductor.cluster_state import (
+    ClusterSnapshot,
+    WorkerLoad,
+    WorkerView,
+    decay_backlog,
+)
 from kvpool.conductor.vllm import VllmBackend, VllmSpec, folder_namespace
 from kvpool.protocol.cluster import WORKERS_PREFIX
 from kvpool.protocol.worker import WorkerStatus
@@ -40,6 +45,8 @@ class _Worker:
     failures: int = 0
     pending_tokens: int = 0  # prompt tokens of the prefills routed here, not yet done
     reported_queue: int = 0  # the queued prefill tokens of its last report
+    backlogged: float = 0.0  # WorkerLoad.backlogged, as of backlog_at
+    backlog_at: float = field(default_factory=time.monotonic)
     backend: VllmBackend | None = None  # a vLLM server's poller
 
 
@@ -183,12 +190,13 @@ class ClusterState:
         w.status = st
         ld = st.load
         w.reported_queue = ld.queued_prefill_tokens
+        _backlog(w, max(w.reported_queue, w.pending_tokens))  # sampled at polls and routings
         load = WorkerLoad(ld.queued_prefill_tokens, ld.running, ld.waiting, ld.kv_usage,
                           list(ld.remaining_tokens), w.inflight)  # fmt: skip
         if w.view is None:
             logger.info("worker %s joined: %s, http %s", st.id, st.role, st.http)
         w.view = WorkerView(st.id, st.role, st.http, st.rpc or addr, load, st.cost, w.cached,
-                            st.alive)  # fmt: skip
+                            st.alive, step_tokens=st.step_tokens)  # fmt: skip
         if self.namespace is None:
             self.namespace, self.block_size = st.namespace, st.block_size
             self.block_bytes = st.block_bytes
@@ -224,8 +232,9 @@ class ClusterState:
                     continue
                 if w.view.alive and self._dead(w):
                     w.view.alive = False
-                load = replace(w.view.load, inflight=w.inflight,
-                               queued_prefill_tokens=max(w.reported_queue, w.pending_tokens),
+                queue = max(w.reported_queue, w.pending_tokens)
+                load = replace(w.view.load, inflight=w.inflight, queued_prefill_tokens=queue,
+                               backlogged=_backlog(w, queue),
                                remaining_tokens=list(w.view.load.remaining_tokens))  # fmt: skip
                 views.append(replace(w.view, load=load))  # a copy: the poller goes on
         return ClusterSnapshot(views, block_bytes=self.block_bytes, pool_up=self.pool_up)
@@ -275,3 +284,12 @@ class ClusterState:
         return {"workers": workers, "store": store, "namespace": self.namespace,
                 "block_size": self.block_size, "processes": self.processes,
                 "directory": self.directory}  # fmt: skip
+
+
+def _backlog(w: _Worker, queue: int) -> float:
+    """``w``'s ``WorkerLoad.backlogged`` now, its prefill queue ``queue`` tokens since the
+    last sample."""
+    now = time.monotonic()
+    w.backlogged = decay_backlog(w.backlogged, queue > 0, now - w.backlog_at)
+    w.backlog_at = now
+    return w.backlogged

@@ -6,9 +6,18 @@ simulator can drive them with made-up snapshots (DESIGN.md §4).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kvpool.protocol.worker import CostModel
+
+BACKLOG_WINDOW_S = 3.0  # time constant of ``WorkerLoad.backlogged``
+
+
+def decay_backlog(prev: float, busy: bool, dt: float) -> float:
+    """``WorkerLoad.backlogged`` ``dt`` seconds after ``prev``, the queue ``busy`` meanwhile."""
+    keep = math.exp(-max(dt, 0.0) / BACKLOG_WINDOW_S)
+    return prev * keep + (1.0 - keep) * busy
 
 
 @dataclass(slots=True)
@@ -21,6 +30,9 @@ class WorkerLoad:
     kv_usage: float = 0.0
     remaining_tokens: list[int] = field(default_factory=list)  # per running request
     inflight: int = 0  # requests the conductor routed here that it has not seen finish
+    # the share of the last seconds its prefill queue was non-empty, as the conductor saw it
+    # (a moving average, BACKLOG_WINDOW_S): near 1 under sustained load, not after a burst
+    backlogged: float = 0.0
 
     def to_dict(self) -> dict:
         return {
@@ -29,6 +41,7 @@ class WorkerLoad:
             "waiting": self.waiting,
             "kv_usage": round(self.kv_usage, 4),
             "inflight": self.inflight,
+            "backlogged": round(self.backlogged, 3),
         }
 
 
@@ -45,6 +58,7 @@ class WorkerView:
     cached: frozenset[bytes] | set[bytes] = frozenset()  # block hashes in its local cache
     alive: bool = True
     engine: str = "kvpool"  # or "vllm": a vLLM server behind the conductor
+    step_tokens: int = 0  # tokens its engine steps at most (a prompt's chunk; 0: unknown)
 
     @property
     def prefills(self) -> bool:

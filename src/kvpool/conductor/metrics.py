@@ -12,7 +12,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from kvpool.conductor.cluster import ClusterState
-from kvpool.conductor.router import REJECT_REASONS
+from kvpool.conductor.router import ON_DECODE, REJECT_REASONS
 from kvpool.serving.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
 
 logger = logging.getLogger(__name__)
@@ -108,6 +108,11 @@ class ConductorMetrics:
             self.rejected.labels(reason)
         self.routed = Counter("kvpool_routed_requests", "Requests sent to a worker, by role.",
                               ["worker", "role"], registry=r)  # fmt: skip
+        self.on_decode = Counter("kvpool_prompts_on_decode", "Prompts a decode worker computed "
+                                 "itself instead of a prefill worker, by reason.", ["reason"],
+                                 registry=r)  # fmt: skip
+        for reason in ON_DECODE:
+            self.on_decode.labels(reason)
         self.inflight = Gauge("kvpool_conductor_inflight_requests",
                               "Requests admitted and not yet answered.", registry=r)  # fmt: skip
         self.ttft = Histogram("kvpool_time_to_first_token_seconds",

@@ -39,16 +39,40 @@ class Flight:
 
     def __init__(self, release: Callable[[str], None]) -> None:
         self._release: Callable[[str], None] | None = release
+        self._also: list[Callable[[], None]] = []
         self.outcome = "aborted"  # until the relay says otherwise
+
+    def also(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Runs ``fn`` at the release too (``fn`` may have run before; returns it)."""
+        self._also.append(fn)
+        return fn
 
     def release(self) -> None:
         release, self._release = self._release, None
         if release is not None:
             release(self.outcome)
+            for fn in self._also:
+                fn()
 
     @property
     def released(self) -> bool:
         return self._release is None
+
+
+def queue_on(w, tokens: int) -> Callable[[], None]:
+    """Counts ``tokens`` prompt tokens in worker ``w``'s queue (its ``pending_tokens``) until
+    the returned callable is called (again: nothing)."""
+    if w is None or tokens <= 0:
+        return lambda: None
+    w.pending_tokens += tokens
+    done = [False]
+
+    def release() -> None:
+        if not done[0]:
+            done[0] = True
+            w.pending_tokens -= tokens
+
+    return release
 
 
 class RelayResponse(StreamingResponse):

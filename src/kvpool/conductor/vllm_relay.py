@@ -22,7 +22,7 @@ from fastapi.responses import Response
 
 from kvpool.common.errors import BadRequestError
 from kvpool.conductor.cluster_state import RequestInfo
-from kvpool.conductor.relay import JSON, Flight, RelayResponse
+from kvpool.conductor.relay import JSON, Flight, RelayResponse, queue_on
 from kvpool.protocol.kv_object import block_key
 
 logger = logging.getLogger(__name__)
@@ -76,25 +76,11 @@ class VllmCalls:
         url = f"http://{b.spec.address}{request.url.path}"
         headers = {**JSON, **b.headers}
         body = vllm_body(raw, b.model_id)
-        known = 0 if route.prefill is not None else route.decode.local_blocks + \
-            route.decode.pool_blocks  # fmt: skip
-        tokens = 0 if route.prefill is not None else max(
-            1, info.num_prompt_tokens - known * info.block_size)  # fmt: skip
-        w.pending_tokens += tokens
-        done = [False]
-
-        def queued_done() -> None:
-            if not done[0]:
-                done[0] = True
-                w.pending_tokens -= tokens
-
+        queued = flight.also(queue_on(w, route.decode_prompt_tokens))
         if parsed.stream:
             return RelayResponse(self.relay.stream(url, body, b.id, t0, flight, headers=headers,
-                                                   on_first=queued_done), flight)  # fmt: skip
-        try:
-            return await self.relay.json(request, url, body, b.id, t0, flight, headers=headers)
-        finally:
-            queued_done()
+                                                   on_first=queued), flight)  # fmt: skip
+        return await self.relay.json(request, url, body, b.id, t0, flight, headers=headers)
 
     async def _vllm_prefill(self, w, path: str, raw: bytes, info: RequestInfo,
                             t0: float) -> tuple:  # fmt: skip

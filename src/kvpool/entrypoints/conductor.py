@@ -27,6 +27,11 @@ def add_conductor_args(p: argparse.ArgumentParser) -> None:
                         "prompt tokens left to compute after its cache and the pool and "
                         "decodes no stream (or handing off would break --slo-ttft) "
                         "(default %(default)s; 0: always hand off)")  # fmt: skip
+    p.add_argument("--decode-prefill-gain", type=float, default=2.0, metavar="X",
+                   help="a decode worker computes a whole prompt itself when that divides its "
+                        "predicted TTFT by X or more (the prefill workers are that far behind), "
+                        "saves more than it delays the worker's running streams, and keeps "
+                        "--slo-tbt (default %(default)s; 0: never)")  # fmt: skip
     p.add_argument("--max-inflight", type=int, default=64,
                    help="requests in flight before new ones get 429 (default %(default)s)")  # fmt: skip
 
@@ -73,6 +78,7 @@ def conductor_config(args: argparse.Namespace, workers: list[str] | None = None)
         served_model_name=common.served_name(args), policy=args.policy,
         balancing_threshold=args.balancing_threshold, slo_ttft=args.slo_ttft,
         slo_tbt=args.slo_tbt, decode_prefill_tokens=args.decode_prefill_tokens,
+        decode_prefill_gain=args.decode_prefill_gain,
         max_inflight=args.max_inflight, log_level=args.log_level,
         http=common.http_limits(args), vllm=list(getattr(args, "vllm", [])),
         vllm_model=getattr(args, "vllm_model", None),
@@ -94,6 +100,7 @@ def build(cfg: ConductorConfig, token: str | None):
         get_policy(cfg.policy, **kwargs),
         SLOConfig(cfg.slo_ttft or None, cfg.slo_tbt or None, cfg.max_inflight),
         cfg.decode_prefill_tokens,
+        cfg.decode_prefill_gain,
     )
     from kvpool.conductor.vllm import VllmSpec
 

@@ -112,8 +112,9 @@ def plan(cluster: ClusterConfig) -> tuple[list[Child], list[Child]]:
         wid = f"{role}-{counts[role]}"
         own = cluster.decode_threads if role == "decode" and cluster.decode_threads else threads
         engine = dataclasses.replace(cluster.engine, num_threads=own)
-        if role == "prefill" and cluster.prefill_chunk:
-            engine = dataclasses.replace(engine, max_num_batched_tokens=cluster.prefill_chunk)
+        chunk = {"prefill": cluster.prefill_chunk, "decode": cluster.decode_chunk}.get(role)
+        if chunk:
+            engine = dataclasses.replace(engine, max_num_batched_tokens=chunk)
         cfg = WorkerConfig(role=role, worker_id=wid, engine=engine, http=http,
                            log_level="warning")  # fmt: skip
         workers.append(Child(wid, ["worker"], cfg))

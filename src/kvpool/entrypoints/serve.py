@@ -57,6 +57,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="prefill workers' tokens per step (default %(default)s; 0: "
                         "--max-num-batched-tokens): a chunk's KV is published to the pool "
                         "while the next chunk computes")  # fmt: skip
+    c.add_argument("--decode-chunk", type=int, default=256, metavar="TOKENS",
+                   help="decode workers' tokens per step, decode rows included (default "
+                        "%(default)s; 0: --max-num-batched-tokens): bounds the gap a prompt "
+                        "lent to a decode worker (--decode-prefill-gain) makes in its streams")  # fmt: skip
     c.add_argument("--config", default=None, help="YAML file of these flags (CLI wins)")
     from kvpool.entrypoints.conductor import add_conductor_args
 
@@ -80,6 +84,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
 
     return ClusterConfig(prefill=args.prefill, decode=args.decode, colocated=args.colocated,
                          store_memory=args.store_memory, prefill_chunk=args.prefill_chunk,
+                         decode_chunk=args.decode_chunk,
                          decode_threads=args.decode_threads,
                          engine=engine_config(args), conductor=conductor_config(args, []))  # fmt: skip
 

@@ -65,6 +65,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-inflight", type=int, default=1_000_000)
     p.add_argument("--decode-prefill-tokens", type=int, default=64,
                    help="as kvpool conductor's flag (default %(default)s)")  # fmt: skip
+    p.add_argument("--decode-prefill-gain", type=float, default=2.0,
+                   help="as kvpool conductor's flag (default %(default)s)")  # fmt: skip
     p.add_argument("--balancing-threshold", type=float, default=0.25)
     p.add_argument("--poll-interval", type=float, default=0.2,
                    help="seconds between the conductor's polls of the workers (0: always "

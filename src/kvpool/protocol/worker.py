@@ -123,9 +123,11 @@ class WorkerStatus:
     event_seq: int
     events: tuple[KVEvent, ...] = ()
     snapshot: tuple[bytes, ...] | None = None
+    step_tokens: int = 0  # tokens its engine steps at most (decode rows included; 0: unknown)
 
     def to_wire(self) -> dict:
         out = {f: getattr(self, f) for f in _PLAIN}
+        out["step_tokens"] = self.step_tokens
         out["load"] = self.load.load_dict()
         out["cost"] = self.cost.to_dict()
         out["events"] = [e.to_wire() for e in self.events]
@@ -154,9 +156,12 @@ class WorkerStatus:
         _need(isinstance(events, list), "events")
         snap = d.get("snapshot")
         _need(snap is None or isinstance(snap, list), "snapshot")
+        step = d.get("step_tokens", 0)  # absent from older workers
+        _need(type(step) is int and step >= 0, f"step_tokens={step!r}")
         return cls(**{f: d[f] for f in _PLAIN}, load=load, cost=cost,
                    events=tuple(KVEvent.from_wire(e) for e in events),
-                   snapshot=None if snap is None else tuple(_hex(h) for h in snap))  # fmt: skip
+                   snapshot=None if snap is None else tuple(_hex(h) for h in snap),
+                   step_tokens=step)  # fmt: skip
 
 
 _PLAIN = {"id": str, "role": str, "http": str, "rpc": str, "model": str, "pid": int,

@@ -57,7 +57,7 @@ class WorkerControl:
             load=eng.status, cost=self.step_model.fit(), counters=self._counters(),
             event_seq=max(seq, events[-1].seq if events else 0),
             events=tuple(KVEvent(e.seq, e.kind, e.block_hash) for e in events),
-            snapshot=snapshot,
+            snapshot=snapshot, step_tokens=eng.config.max_num_batched_tokens,
         ).to_wire()  # fmt: skip
 
     def _counters(self) -> dict:

@@ -195,9 +195,11 @@ def calibrate(cfg: CalibrationConfig, say: Callable[[str], None]) -> Profile:
     num_blocks = eng.pool.num_blocks
     sc = eng.config
     prefill_chunk = ClusterConfig().prefill_chunk  # kvpool serve's prefill workers' steps
+    decode_chunk = ClusterConfig().decode_chunk  # and its decode workers'
     node = NodeSpec(**fit.node_fields(), max_batch=sc.max_num_seqs,
                     max_batched_tokens=sc.max_num_batched_tokens,
                     prefill_chunk_tokens=prefill_chunk or None,
+                    decode_chunk_tokens=decode_chunk or None,
                     colocated_chunk_tokens=sc.max_num_batched_tokens,
                     kv_capacity_tokens=num_blocks * eng.block_size,
                     local_cache_blocks=num_blocks, threads=threads,
@@ -221,7 +223,8 @@ def calibrate(cfg: CalibrationConfig, say: Callable[[str], None]) -> Profile:
                        "speed alone); the conductor, the pool and the client are not counted",
                        "serving limits are kvpool serve's defaults (1 GiB KV per worker, "
                        "a 1 GiB pool node, 64 sequences, 2048 tokens per step, "
-                       f"{prefill_chunk} on prefill workers)",
+                       f"{prefill_chunk} on prefill workers, {decode_chunk} on decode "
+                       "workers)",
                        "per-request HTTP and RPC costs are not measured: only the link's "
                        "fixed cost per transfer",
                        "decode_tail: kvpool's decode worker reads the prompt's full blocks "

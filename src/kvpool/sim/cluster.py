@@ -55,10 +55,11 @@ class SimCluster:
         self.decode_tail = p.node.decode_tail
         self.worker_cost = self._worker_cost(requests)
         self.view = ConductorView(self.nodes, self.worker_cost, self.pool, bt, self.block_bytes,
-                                  p.network.bytes_per_s)  # fmt: skip
+                                  p.network.bytes_per_s, lambda: self.loop.now)  # fmt: skip
         slo = SLOConfig(cfg.slo_ttft if cfg.admission else None,
                         cfg.slo_tbt if cfg.admission else None, cfg.max_inflight)  # fmt: skip
-        self.router = Router(cfg.make_policy(system), slo, cfg.decode_prefill_tokens)
+        self.router = Router(cfg.make_policy(system), slo, cfg.decode_prefill_tokens,
+                             cfg.decode_prefill_gain)  # fmt: skip
         self.jobs: list[Job | None] = [None] * len(requests)
         self.rejected: dict[int, str] = {}  # request index -> reason
         self.timeline: list[tuple[float, list[int], list[int], int]] = []
@@ -79,7 +80,8 @@ class SimCluster:
         chunk = spec.prefill_chunk_tokens or budget
         return [*(Node(self, f"prefill-{i:0{width}d}", "prefill", budget=chunk, chunked=True,
                        cache_blocks=cache) for i in range(system.prefill)),
-                *(Node(self, f"decode-{i:0{width}d}", "decode", budget=budget, chunked=True,
+                *(Node(self, f"decode-{i:0{width}d}", "decode",
+                       budget=spec.decode_chunk_tokens or budget, chunked=True,
                        cache_blocks=cache) for i in range(system.decode))]  # fmt: skip
 
     def _in_sim_blocks(self, profile_blocks: int) -> int:
@@ -153,6 +155,8 @@ class SimCluster:
         else:  # the decode (or colocated) worker computes the prompt itself
             at = predicted_ttft(snap, view.view(job.decode_on), info)
             job.predicted_blocks = at.local_blocks + at.pool_blocks
+            job.pending_tokens = route.decode_prompt_tokens  # its queue, until the first token
+            view.sent_prefill(job.decode_on, job.pending_tokens)
             target = self.by_id[job.decode_on]
         pool = info.pool_prefix_blocks
         job.truth_blocks = max(target.cache.prefix(req.hashes), pool)
@@ -217,8 +221,7 @@ class SimCluster:
         node.cache.insert(hashes)
         if self.pool is not None:
             self.pool.publish(hashes)
-        if job.prefill_on:
-            self.view.prefill_returned(job.prefill_on, job.pending_tokens)
+        self.view.prefill_returned(job.prefill_on or job.decode_on, job.pending_tokens)
         if job.req.output_tokens > 1 and node.role == "prefill":
             dec = self.by_id[job.decode_on]
             sent = len(hashes) * self.block_tokens if self.decode_tail else job.req.input_tokens

@@ -110,6 +110,8 @@ class NodeSpec:
     max_batched_tokens: int = 8192  # tokens per step
     # tokens per step on prefill nodes (kvpool serve's --prefill-chunk; None: max_batched_tokens)
     prefill_chunk_tokens: int | None = None
+    # tokens per step on decode nodes (kvpool serve's --decode-chunk; None: max_batched_tokens)
+    decode_chunk_tokens: int | None = None
     colocated_chunk_tokens: int = 2048  # the token budget of a chunked colocated step
     kv_capacity_tokens: int = 1_000_000  # KV a decode node can hold for running requests
     local_cache_blocks: int = 1000  # the node's own prefix cache (LRU), in blocks
@@ -133,8 +135,9 @@ class NodeSpec:
                 raise ValueError(f"{name} must be <= 1 (a share of the peak), got {v}")
         if self.host_cores is not None:
             _positive(self, "host_cores")
-        if self.prefill_chunk_tokens is not None:
-            _positive(self, "prefill_chunk_tokens")
+        for name in ("prefill_chunk_tokens", "decode_chunk_tokens"):
+            if getattr(self, name) is not None:
+                _positive(self, name)
 
 
 @dataclass(slots=True, frozen=True)

@@ -57,6 +57,7 @@ class SimConfig:
     admission: bool = True
     max_inflight: int = 1_000_000
     decode_prefill_tokens: int = 64  # the conductor's default (router.py)
+    decode_prefill_gain: float = 2.0  # the conductor's default
     balancing_threshold: float = 0.25
     poll_interval: float = 0.2  # the conductor's default (cluster.py); 0: always fresh
     seed: int = 0
@@ -74,6 +75,8 @@ class SimConfig:
                 raise ValueError(f"{name} must be > 0 (or None)")
         if self.max_inflight < 1 or self.decode_prefill_tokens < 0 or self.poll_interval < 0:
             raise ValueError("max_inflight >= 1, decode_prefill_tokens and poll_interval >= 0")
+        if self.decode_prefill_gain != 0 and not self.decode_prefill_gain >= 1:
+            raise ValueError("decode_prefill_gain must be 0 (off) or >= 1")
         for name in ("local_cache_blocks", "pool_blocks_per_node", "pool_nodes"):
             v = getattr(self, name)
             if v is not None and v < (0 if name == "local_cache_blocks" else 1):

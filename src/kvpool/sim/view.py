@@ -14,11 +14,14 @@ policies are pure functions of what they are handed and keep nothing of it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvpool.conductor.cluster_state import (
     ClusterSnapshot,
     RequestInfo,
     WorkerLoad,
     WorkerView,
+    decay_backlog,
 )
 from kvpool.protocol.worker import CostModel
 from kvpool.sim.node import Node
@@ -28,17 +31,20 @@ from kvpool.sim.workload import SimRequest
 
 class ConductorView:
     def __init__(self, nodes: list[Node], cost: CostModel, pool: PoolModel | None,
-                 block_tokens: int, block_bytes: float, link_bytes_per_s: float) -> None:  # fmt: skip
+                 block_tokens: int, block_bytes: float, link_bytes_per_s: float,
+                 clock: Callable[[], float] = lambda: 0.0) -> None:  # fmt: skip
         self.nodes = nodes
         self.pool = pool
         self.block_tokens = block_tokens
         self.views = [WorkerView(n.id, n.role, f"sim/{n.id}", f"sim/{n.id}", WorkerLoad(),
-                                 cost, n.cache.view) for n in nodes]  # fmt: skip
+                                 cost, n.cache.view, step_tokens=n.budget) for n in nodes]  # fmt: skip
         self.by_id = {n.id: i for i, n in enumerate(nodes)}
         self.reported = [0] * len(nodes)  # queued prefill tokens of the last poll
         self.pending = [0] * len(nodes)  # prompt tokens of prefills sent, not finished
         self.inflight_at = [0] * len(nodes)  # requests routed to it as decode, not finished
         self.inflight = 0  # every request in flight through the conductor
+        self.clock = clock  # the simulation's time
+        self.backlog_at = [0.0] * len(nodes)  # when each load.backlogged was last sampled
         self.snap = ClusterSnapshot(self.views, pool_bytes_per_s=link_bytes_per_s,
                                     block_bytes=int(block_bytes), pool_up=pool is not None)  # fmt: skip
         self.polls = 0
@@ -53,6 +59,7 @@ class ConductorView:
             ld.running, ld.waiting = n.batch, n.waiting
             ld.kv_usage = n.kv_used / n.kv_cap
             ld.remaining_tokens = n.remaining_tokens() if n.batch else []
+            self._backlog(i)
 
     def request_info(self, req: SimRequest) -> RequestInfo:
         """As ``Conductor.request_info``: the chain and the pool's prefix of it (exact)."""
@@ -66,7 +73,15 @@ class ConductorView:
             ld = v.load
             ld.queued_prefill_tokens = max(self.reported[i], self.pending[i])
             ld.inflight = self.inflight_at[i]
+            self._backlog(i)
         return self.snap
+
+    def _backlog(self, i: int) -> None:
+        """As ``ClusterState``: sampled at polls and routings."""
+        ld, now = self.views[i].load, self.clock()
+        queue = max(self.reported[i], self.pending[i])
+        ld.backlogged = decay_backlog(ld.backlogged, queue > 0, now - self.backlog_at[i])
+        self.backlog_at[i] = now
 
     def view(self, node_id: str) -> WorkerView:
         return self.views[self.by_id[node_id]]

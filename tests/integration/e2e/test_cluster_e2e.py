@@ -30,7 +30,7 @@ def cluster(tmp_path_factory):
     running = serve(log, "--prefill", "2", "--decode", "1", "--policy", "round_robin",
                     "--kv-cache-memory", "256MiB", "--store-memory", "512MiB",
                     "--max-inflight", "4", "--slo-ttft", "0", "--slo-tbt", "0",
-                    "--decode-prefill-tokens", "0")  # fmt: skip
+                    "--decode-prefill-tokens", "0", "--decode-prefill-gain", "0")  # fmt: skip
     proc, url = next(running)
     pids = [p["pid"] for p in cluster_doc(url)["processes"].values()]
     assert len(pids) == 5

@@ -19,7 +19,8 @@ MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is Paris. The capital of Germany is"
 TOL = 2e-3  # another process, another batch: float32 rounding apart
 CLUSTER = ("--prefill", "1", "--decode", "1", "--kv-cache-memory", "256MiB", "--store-memory",
-           "256MiB", "--slo-ttft", "0", "--slo-tbt", "0", "--decode-prefill-tokens", "0")  # fmt: skip
+           "256MiB", "--slo-ttft", "0", "--slo-tbt", "0", "--decode-prefill-tokens", "0",
+           "--decode-prefill-gain", "0")  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=["single", "cluster"])
