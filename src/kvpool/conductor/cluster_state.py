@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from kvpool.protocol.worker import CostModel
 
-BACKLOG_WINDOW_S = 3.0  # time constant of ``WorkerLoad.backlogged``
+BACKLOG_WINDOW_S = 1.5  # time constant of ``WorkerLoad.backlogged``
 
 
 def decay_backlog(prev: float, busy: bool, dt: float) -> float:
