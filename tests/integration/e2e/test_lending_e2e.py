@@ -1,6 +1,6 @@
-"""`kvpool serve` (1 prefill + 1 decode worker) under a burst of long, distinct prompts: the
-conductor lends some whole prompts to the decode worker (`--decode-prefill-gain`), and every
-answer equals one engine's greedy answer."""
+"""`kvpool serve` (1 prefill + 1 decode worker) under sustained load of long, distinct prompts:
+the conductor lends some whole prompts to the decode worker (`--decode-prefill-gain`), and
+every answer equals one engine's greedy answer."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ TOPICS = ["rivers", "copper mines", "lighthouses", "orchards", "glaciers", "falc
 
 def prompt(i: int) -> str:
     """About 300 tokens, distinct from its first block on (no prefix shared with the others)."""
-    topic = TOPICS[i]
+    topic = TOPICS[i % len(TOPICS)]
     body = " ".join(f"Fact {k} about {topic}: {topic} change slowly over the years, and people "
                     f"who study {topic} write long notes about them." for k in range(12))  # fmt: skip
-    return f"{topic.capitalize()} report number {i}. {body} In one sentence, {topic} are"
+    return f"Report number {i}, on {topic}. {body} In one sentence, {topic} are"
 
 
 def lent(url: str) -> float:
@@ -39,12 +39,12 @@ def cluster(tmp_path_factory):
                      "--slo-ttft", "0", "--slo-tbt", "0")  # fmt: skip
 
 
-def test_a_burst_lends_prompts_to_the_decode_worker_with_one_engines_answers(cluster):
+def test_sustained_load_lends_prompts_to_the_decode_worker_with_one_engines_answers(cluster):
     from kvpool import SamplingParams
     from kvpool.engine.llm import LLM
 
     url = cluster[1]
-    prompts = [prompt(i) for i in range(len(TOPICS))]
+    prompts = [prompt(i) for i in range(20)]
     before = lent(url)
 
     def complete(text: str) -> str:
@@ -53,11 +53,15 @@ def test_a_burst_lends_prompts_to_the_decode_worker_with_one_engines_answers(clu
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]
 
-    with cf.ThreadPoolExecutor(len(prompts)) as pool:  # all at once: a burst
-        answers = list(pool.map(complete, prompts))
+    def stream(k: int) -> list[str]:  # one client sending its prompts one after the other
+        return [complete(t) for t in prompts[k::4]]
+
+    with cf.ThreadPoolExecutor(4) as pool:  # four such clients: the prefill queue stays full
+        per_stream = list(pool.map(stream, range(4)))
+    answers = [per_stream[i % 4][i // 4] for i in range(len(prompts))]
     got = lent(url) - before
-    # the first goes to the idle prefill worker; with its queue seconds long, some go to the
-    # decode worker, never all (it takes one only while the prefill queue is twice as long)
+    # the first requests go to the prefill worker (a burst is not lent); once its queue has
+    # stayed full for seconds, some go to the decode worker, never all
     assert 1 <= got < len(prompts), got
     llm = LLM(kv_cache_memory_bytes="128MiB")
     ref = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
