@@ -100,9 +100,13 @@ def test_cluster_config_file_fills_defaults_and_the_command_line_wins(tmp_path):
     pool, workers = plan(serve.cluster_config(args))
     assert [c.name for c in pool] == ["store-master", "store-node"]
     assert [w.name for w in workers] == ["prefill-1", "prefill-2", "prefill-3", "decode-1"]
-    # each child gets a config, not flags: the prefill chunk only for prefill workers
+    # each child gets a config, not flags: the prefill chunk for prefill workers, the decode
+    # chunk (default 256) for decode workers
     assert workers[0].config.engine.max_num_batched_tokens == 64
-    assert workers[-1].config.engine.max_num_batched_tokens == 2048
+    assert workers[-1].config.engine.max_num_batched_tokens == 256
+    unchunked = cli.build_parser().parse_args(["serve", "--decode-chunk", "0"])
+    _, workers2 = plan(serve.cluster_config(unchunked))
+    assert workers2[-1].config.engine.max_num_batched_tokens == 2048  # the engine's own
     assert {w.config.role for w in workers} == {"prefill", "decode"}
     assert pool[1].config.memory == 2 << 30
     colocated = cli.build_parser().parse_args(["serve", "--colocated", "2"])
