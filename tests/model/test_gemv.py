@@ -29,7 +29,7 @@ def _blocks(kind, n, k, half, seed=0):
 @pytest.mark.parametrize("kind", ["q4", "q8"])
 @pytest.mark.parametrize("k", [64, 576, 1536])  # a tail chunk only; 16 + 2 blocks; 3 x 16
 @pytest.mark.parametrize("half", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11])  # 5-11: groups of 4 and the rest
 def test_packed_rows_compute_what_the_per_row_tiles_do(kind, k, half, rows):
     _avx512()
     bw = _blocks(kind, 37, k, half, seed=k + rows)  # 37 weight rows: a last tile of one
@@ -73,13 +73,30 @@ def test_what_the_kernel_cannot_run_is_not_packed_and_takes_the_tiles():
             kern.qlinear(torch.randn(1, 64), ok.qs, ok.d, ok.m, packed=ok.qs[:4].contiguous())
 
 
+@pytest.mark.parametrize("rows", [5, 7, 11])
+def test_more_rows_than_a_group_compute_each_row_as_its_own_group_does(rows):
+    # beyond GEMV_GROUP rows each weight row runs the row groups one after the other: every
+    # row's result is bit for bit what a call with its group alone gives
+    _avx512()
+    assert kern.GEMV_ROWS == 11 and rows <= kern.GEMV_ROWS
+    for kind, half in (("q4", True), ("q8", False)):
+        bw = _blocks(kind, 37, 576, half, seed=rows)
+        packed = kern.gemv_pack(bw.qs, kind == "q4")
+        x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+        got = kern.qlinear(x, bw.qs, bw.d, bw.m, packed=packed)
+        for m0 in range(0, rows, 4):
+            part = x[m0 : m0 + 4].contiguous()
+            assert torch.equal(got[m0 : m0 + 4], kern.qlinear(part, bw.qs, bw.d, bw.m, packed=packed))
+
+
 def test_many_rows_and_prompt_steps_never_take_the_packed_path():
-    # five rows run the tiles and a prompt step the lanes path: results identical to calls
-    # without the packed copy (a prompt's KV must not depend on how its chunks were cut)
+    # from LANES_FROM rows on the lanes path runs, and a prompt step takes it for any size:
+    # results identical to calls without the packed copy (a prompt's KV must not depend on
+    # how its chunks were cut)
     _avx512()
     bw = _blocks("q4", 40, 576, True)
     packed = kern.gemv_pack(bw.qs, True)
-    x = torch.randn(5, 576)
+    x = torch.randn(12, 576)
     assert torch.equal(kern.qlinear(x, bw.qs, bw.d, bw.m, packed=packed),
                        kern.qlinear(x, bw.qs, bw.d, bw.m))  # fmt: skip
     one = x[:1]

@@ -1,5 +1,6 @@
 // A few rows (a decode step of 1-GEMV_ROWS sequences) against block weights repacked so that
-// each vector lane accumulates one block.
+// each vector lane accumulates one block. More than GEMV_GROUP rows run in groups over each
+// weight row (run_groups).
 //
 // qgemm.cpp's per-row tiles hold two blocks in a zmm (8 int32 lanes each) and so must convert,
 // scale and add their sums in float for every two blocks of every weight row: five float
@@ -20,6 +21,7 @@
 #include "kernels.h"
 #include "qblocks.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace kvpool {
@@ -112,14 +114,15 @@ inline __m512 chunk_scales(const uint16_t* p) {
 constexpr int64_t PREFETCH = 1024;
 
 // NT weight rows x MT activation rows over one chunk of C blocks starting at block b0.
+// Activation rows m0 .. m0 + MT - 1.
 template <bool Q4, typename S, int NT, int MT, int C>
-inline void chunk(const QWeights& w, const uint8_t* pk, const GemvAct& x, int64_t n0, int64_t b0,
-                  int64_t ci, __m512 (&acc)[NT][MT]) {
+inline void chunk(const QWeights& w, const uint8_t* pk, const GemvAct& x, int64_t n0, int64_t m0,
+                  int64_t b0, int64_t ci, __m512 (&acc)[NT][MT]) {
   const int64_t K = w.K, rowb = Q4 ? K / 2 : K;
   __m512i s0[NT][MT], s1[NT][MT];
   for (int i = 0; i < NT; ++i)
     for (int j = 0; j < MT; ++j) s0[i][j] = s1[i][j] = _mm512_setzero_si512();
-  const int16_t* xc = x.q.data() + b0 * QK;
+  const int16_t* xc = x.q.data() + m0 * K + b0 * QK;
   const int64_t wc = b0 * (Q4 ? QK / 2 : QK);  // the chunk's first byte in a packed row
 #pragma GCC unroll 8
   for (int u = 0; u < C / 2; ++u) {  // vectors 2u and 2u + 1
@@ -150,8 +153,8 @@ inline void chunk(const QWeights& w, const uint8_t* pk, const GemvAct& x, int64_
   }
   __m512 xd[MT], xs[MT];
   for (int j = 0; j < MT; ++j) {
-    xd[j] = _mm512_loadu_ps(x.d.data() + (j * x.chunks + ci) * 16);
-    if constexpr (Q4) xs[j] = _mm512_loadu_ps(x.s.data() + (j * x.chunks + ci) * 16);
+    xd[j] = _mm512_loadu_ps(x.d.data() + ((m0 + j) * x.chunks + ci) * 16);
+    if constexpr (Q4) xs[j] = _mm512_loadu_ps(x.s.data() + ((m0 + j) * x.chunks + ci) * 16);
   }
   for (int i = 0; i < NT; ++i) {
     const int64_t at = (n0 + i) * w.nb + b0;
@@ -167,18 +170,19 @@ inline void chunk(const QWeights& w, const uint8_t* pk, const GemvAct& x, int64_
 }
 
 template <bool Q4, typename S, int NT, int MT>
-void tile(const QWeights& w, const uint8_t* pk, const GemvAct& x, int64_t n0, float* y,
+void tile(const QWeights& w, const uint8_t* pk, const GemvAct& x, int64_t n0, int64_t m0, float* y,
           bool accumulate) {
   __m512 acc[NT][MT];
   for (int i = 0; i < NT; ++i)
     for (int j = 0; j < MT; ++j) acc[i][j] = _mm512_setzero_ps();
   int64_t b = 0, ci = 0;
-  for (; b + CHUNK <= w.nb; b += CHUNK, ++ci) chunk<Q4, S, NT, MT, CHUNK>(w, pk, x, n0, b, ci, acc);
-  for (; b + 2 <= w.nb; b += 2, ++ci) chunk<Q4, S, NT, MT, 2>(w, pk, x, n0, b, ci, acc);
+  for (; b + CHUNK <= w.nb; b += CHUNK, ++ci)
+    chunk<Q4, S, NT, MT, CHUNK>(w, pk, x, n0, m0, b, ci, acc);
+  for (; b + 2 <= w.nb; b += 2, ++ci) chunk<Q4, S, NT, MT, 2>(w, pk, x, n0, m0, b, ci, acc);
   for (int i = 0; i < NT; ++i)
     for (int j = 0; j < MT; ++j) {
       const float v = _mm512_reduce_add_ps(acc[i][j]);
-      float* out = y + j * w.N + n0 + i;
+      float* out = y + (m0 + j) * w.N + n0 + i;
       *out = accumulate ? *out + v : v;
     }
 }
@@ -191,17 +195,37 @@ void run_rows(const QWeights& w, const uint8_t* pk, const GemvAct& x, float* y, 
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * NT;
       if (n0 + NT <= w.N) {
-        tile<Q4, S, NT, MT>(w, pk, x, n0, y, acc);
+        tile<Q4, S, NT, MT>(w, pk, x, n0, 0, y, acc);
       } else {
-        for (int64_t n = n0; n < w.N; ++n) tile<Q4, S, 1, MT>(w, pk, x, n, y, acc);
+        for (int64_t n = n0; n < w.N; ++n) tile<Q4, S, 1, MT>(w, pk, x, n, 0, y, acc);
       }
     }
+  });
+}
+
+// More than GEMV_GROUP rows: each weight row is read from memory once and runs the row groups
+// of GEMV_GROUP (and the rest) one after the other while it sits in L1, so every row computes
+// exactly as it would in a call of its own group's size.
+template <bool Q4, typename S>
+void run_groups(const QWeights& w, const uint8_t* pk, const GemvAct& x, int64_t M, float* y,
+                bool acc) {
+  at::parallel_for(0, w.N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t m0 = 0; m0 < M; m0 += GEMV_GROUP) {
+        switch (std::min<int64_t>(GEMV_GROUP, M - m0)) {
+          case 1: tile<Q4, S, 1, 1>(w, pk, x, n, m0, y, acc); break;
+          case 2: tile<Q4, S, 1, 2>(w, pk, x, n, m0, y, acc); break;
+          case 3: tile<Q4, S, 1, 3>(w, pk, x, n, m0, y, acc); break;
+          default: tile<Q4, S, 1, GEMV_GROUP>(w, pk, x, n, m0, y, acc);
+        }
+      }
   });
 }
 
 template <bool Q4, typename S>
 void run_kind(const QWeights& w, const uint8_t* pk, const GemvAct& x, int64_t M, float* y,
               bool acc) {
+  if (M > GEMV_GROUP) return run_groups<Q4, S>(w, pk, x, M, y, acc);
   switch (M) {
     case 1: return run_rows<Q4, S, 1>(w, pk, x, y, acc);
     case 2: return run_rows<Q4, S, 2>(w, pk, x, y, acc);

@@ -14,8 +14,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_layer,
 // `wide`: the AVX-512 paths where built in; from `lanes_from` rows on (0: never) the one that
 // puts 16 activation rows in a vector's lanes.
 constexpr int64_t LANES_FROM = 12;
-// `packed`: the same weights repacked by gemv_pack, which up to GEMV_ROWS rows run (gemv.cpp).
-constexpr int64_t GEMV_ROWS = 4;
+// `packed`: the same weights repacked by gemv_pack, which up to GEMV_ROWS rows run (gemv.cpp),
+// in groups of at most GEMV_GROUP rows over each weight row.
+constexpr int64_t GEMV_GROUP = 4;
+constexpr int64_t GEMV_ROWS = LANES_FROM - 1;
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
                       c10::optional<torch::Tensor> out, bool portable, bool wide = true,
                       int64_t lanes_from = LANES_FROM,
