@@ -86,7 +86,9 @@ def test_more_rows_than_a_group_compute_each_row_as_its_own_group_does(rows):
         got = kern.qlinear(x, bw.qs, bw.d, bw.m, packed=packed)
         for m0 in range(0, rows, 4):
             part = x[m0 : m0 + 4].contiguous()
-            assert torch.equal(got[m0 : m0 + 4], kern.qlinear(part, bw.qs, bw.d, bw.m, packed=packed))
+            assert torch.equal(
+                got[m0 : m0 + 4], kern.qlinear(part, bw.qs, bw.d, bw.m, packed=packed)
+            )
 
 
 def test_many_rows_and_prompt_steps_never_take_the_packed_path():
