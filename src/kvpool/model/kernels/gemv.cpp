@@ -110,8 +110,12 @@ inline __m512 chunk_scales(const uint16_t* p) {
 
 // How far ahead of the current read the weights are prefetched: the step's arithmetic keeps
 // the core's load queue from running far enough ahead on its own (measured at 1 row: ~1.3x
-// over none; 1 KB ahead a little faster than 1.5, 2, 4 or 8 KB).
-constexpr int64_t PREFETCH = 1024;
+// over none). At one or two rows the weights stream from memory at the rate the core reads
+// them, and 4 KB ahead beat 1 KB (in-process A/Bs on a Zen 4 with weights far beyond L3, two
+// threads: 1.03-1.18x at one row, 1.04x at two; one thread, one row: 1.12x); from three rows on
+// the arithmetic sets the pace and the distance hardly matters (1.02-1.05x, kept at 1 KB).
+template <int MT>
+constexpr int64_t PREFETCH = MT <= 2 ? 4096 : 1024;
 
 // NT weight rows x MT activation rows over one chunk of C blocks starting at block b0.
 // Activation rows m0 .. m0 + MT - 1.
@@ -135,13 +139,13 @@ inline void chunk(const QWeights& w, const uint8_t* pk, const GemvAct& x, int64_
       const uint8_t* p = pk + (n0 + i) * rowb + wc + u * (Q4 ? 32 : 64);
       __m512i v0, v1;
       if constexpr (Q4) {
-        if (u % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH), _MM_HINT_T0);
+        if (u % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH<MT>), _MM_HINT_T0);
         const __m512i bytes =
             _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
         v0 = _mm512_and_si512(bytes, _mm512_set1_epi16(0x0F));
         v1 = _mm512_srli_epi16(bytes, 4);
       } else {
-        _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH<MT>), _MM_HINT_T0);
         v0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
         v1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
       }
