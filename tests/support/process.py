@@ -18,6 +18,7 @@ import os
 import select
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 
@@ -95,8 +96,23 @@ class Process:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.proc.pid, sig)
 
-    def pause(self) -> None:
+    def pause(self, timeout: float = 5.0) -> None:
+        """SIGSTOP, then wait (bounded) until every thread is stopped: the signal is delivered
+        asynchronously, and a test that stalls a peer must not race a peer still answering."""
         self.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self._stopped():
+            time.sleep(0.005)
+
+    def _stopped(self) -> bool:
+        tasks = Path(f"/proc/{self.proc.pid}/task")
+        try:
+            states = [
+                (t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks.iterdir()
+            ]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            return True  # gone (or not Linux): nothing left to wait for
+        return all(st in ("T", "t") for st in states)
 
     def resume(self) -> None:
         self.send_signal(signal.SIGCONT)
