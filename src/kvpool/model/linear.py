@@ -13,13 +13,19 @@ over the weights reads: the weight bytes each decode step streams (the roofline 
   Decode-only batches of up to ``small_rows`` rows run it (a step bound by the bytes of the
   weights), larger ones run ``large`` (float32 BLAS); prompt steps run it where
   ``prompt_blocks`` (it beat BLAS on a prompt-sized batch on this machine: ``autotune.py``),
-  else ``large``.
+  else ``large``. With ``KVPOOL_PROMPT_ACT8=1`` (``PROMPT_ACT8``; off by default) prompt steps
+  over q4 weights quantize their activations to 8 bits per 32-element block instead of 16:
+  twice the products per instruction where prompt steps are bound by arithmetic (prefill
+  ~1.3x), at a cost in fidelity measured in ``tests/model/test_quality_real_model.py`` and
+  docs/benchmarks.md (perplexity +0.2 %, and a prompt's logprobs then depend on its chunking
+  by up to ~0.1 nats, as tiny float differences flip 8-bit roundings).
 
 Each also describes itself for the fused decode step (``spec()``: ``kernels/decode.cpp``).
 """
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 
 import torch
@@ -60,8 +66,18 @@ def _lanes(prompt: bool) -> dict:
     """The kernel's lanes path computes each row alike whatever the batch's size (the per-row
     tiles round in another order): a prompt step takes it for any number of rows, so a prompt's
     results do not depend on its chunks' sizes; decode batches keep the kernel's default (the
-    lanes path from ``LANES_FROM`` rows on, ``kernels.h``, where it is the faster one)."""
-    return {"lanes_from": 1} if prompt else {}
+    lanes path from ``LANES_FROM`` rows on, ``kernels.h``, where it is the faster one). A
+    prompt step's activations are quantized to 8 bits where ``PROMPT_ACT8`` (q4 weights only)."""
+    return prompt_args() if prompt else {}
+
+
+# 8-bit activations on prompt steps (``KVPOOL_PROMPT_ACT8=1``); 16 bits, as decode has, by default
+PROMPT_ACT8 = os.environ.get("KVPOOL_PROMPT_ACT8", "0") not in ("0", "false", "no", "")
+
+
+def prompt_args() -> dict:
+    """The kernel's arguments for a prompt step's rows."""
+    return {"lanes_from": 1, "act8": PROMPT_ACT8}
 
 
 class BlockLinear:

@@ -11,6 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kvpool.model import linear
 from kvpool.model.attention import AttentionMetadata, paged_attention
 from kvpool.model.config import ModelConfig
 from kvpool.model.kernels import kernels
@@ -122,10 +123,19 @@ class LlamaModel:
 
     def fingerprint(self, file_fingerprint: str) -> str:
         """The fingerprint of the weights as computed with: the file's, unless the format
-        changed them (blocks quantized here: their KV differs, so it must not share keys)."""
-        if self.weights_exact:
-            return file_fingerprint
-        return f"{file_fingerprint}|w-{self.weight_format}"
+        changed them (blocks quantized here: their KV differs, so it must not share keys), or
+        prompt steps quantize activations to 8 bits (``KVPOOL_PROMPT_ACT8=1``: not the float32
+        model's KV either)."""
+        fp = (
+            file_fingerprint if self.weights_exact else f"{file_fingerprint}|w-{self.weight_format}"
+        )
+        return f"{fp}|a8" if self.prompt_act8() else fp
+
+    def prompt_act8(self) -> bool:
+        """Whether prompt steps run any layer on 8-bit activations (q4 blocks on the kernel)."""
+        return linear.PROMPT_ACT8 and any(
+            isinstance(lin, linear.BlockLinear) and lin.prompt_blocks and lin.weights.kind == "q4"
+            for lin in self.linears())  # fmt: skip
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)

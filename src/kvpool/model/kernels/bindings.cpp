@@ -7,7 +7,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &kvpool::qlinear, "x . W^T over 32-block quantized weights (q4 / q8)",
         py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("out") = py::none(),
         py::arg("portable") = false, py::arg("wide") = true,
-        py::arg("lanes_from") = kvpool::LANES_FROM, py::arg("packed") = py::none());
+        py::arg("lanes_from") = kvpool::LANES_FROM, py::arg("packed") = py::none(),
+        py::arg("act8") = false);
   m.def("gemv_pack", &kvpool::gemv_pack,
         "weights repacked for the few-row kernel (empty where it does not run)", py::arg("qs"),
         py::arg("q4"));

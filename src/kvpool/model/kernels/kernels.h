@@ -14,6 +14,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_layer,
 // `wide`: the AVX-512 paths where built in; from `lanes_from` rows on (0: never) the one that
 // puts 16 activation rows in a vector's lanes.
 constexpr int64_t LANES_FROM = 12;
+// `act8`: the lanes path quantizes activations to 8 bits instead of 16 where the weights are
+// q4 (twice the products per instruction: prompt steps, which are compute-bound).
 // `packed`: the same weights repacked by gemv_pack, which up to GEMV_ROWS rows run (gemv.cpp),
 // in groups of at most GEMV_GROUP rows over each weight row.
 constexpr int64_t GEMV_GROUP = 4;
@@ -21,7 +23,7 @@ constexpr int64_t GEMV_ROWS = LANES_FROM - 1;
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
                       c10::optional<torch::Tensor> out, bool portable, bool wide = true,
                       int64_t lanes_from = LANES_FROM,
-                      c10::optional<torch::Tensor> packed = c10::nullopt);
+                      c10::optional<torch::Tensor> packed = c10::nullopt, bool act8 = false);
 // qs repacked for the few-row kernel, or an empty tensor where it does not run (gemv.cpp).
 torch::Tensor gemv_pack(torch::Tensor qs, bool q4);
 bool has_avx2();

@@ -26,18 +26,43 @@ struct QAct {  // quantized activations of M rows
 
 constexpr float QMAX = 32767.f;
 
-inline void quantize_block(const float* x, int16_t* q, float* d, float* s) {
+// One block on [-qmax, qmax] steps of its absolute maximum / qmax, rounded to nearest even.
+template <typename T>
+inline void quantize_scalar(const float* x, T* q, float qmax, float* d, float* s) {
   float amax = 0.f;
   for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float scale = amax / QMAX, inv = amax > 0.f ? QMAX / amax : 0.f;
+  const float scale = amax / qmax, inv = amax > 0.f ? qmax / amax : 0.f;
   int32_t sum = 0;
   for (int64_t i = 0; i < QK; ++i) {
     const int32_t v = static_cast<int32_t>(std::nearbyint(x[i] * inv));
-    q[i] = static_cast<int16_t>(v);
+    q[i] = static_cast<T>(v);
     sum += v;
   }
   *d = scale;
   *s = scale * static_cast<float>(sum);
+}
+
+inline void quantize_block(const float* x, int16_t* q, float* d, float* s) {
+  quantize_scalar(x, q, QMAX, d, s);
+}
+
+// The same for 8-bit activations (the prompt path's lanes kernel with q4 weights): a block's
+// elements on [-127, 127], the scheme llama.cpp's q8 activations use.
+inline void quantize_block(const float* x, int8_t* q, float* d, float* s) {
+#if defined(__AVX512F__)
+  // the scalar loop's arithmetic in two vectors (prompt steps quantize every row of a chunk)
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+  *d = scale;
+  *s = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+#else
+  quantize_scalar(x, q, 127.f, d, s);
+#endif
 }
 
 inline QAct quantize_rows(const float* x, int64_t M, int64_t K, int64_t lda) {
@@ -110,9 +135,21 @@ inline __m512i dot_pairs(__m512i acc, __m512i x, __m512i w) {
 #endif
 }
 
+// acc + the sums of four adjacent products of unsigned bytes u and signed bytes s, per int32
+// lane (vpdpbusd with VNNI; without it, each pair's sum fits int16 for q4 weights: 2 x 15 x 128)
+inline __m512i dot_quads(__m512i acc, __m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+
 // y (+)= x . W^T for any M with 16 rows in a vector's lanes (lanes.cpp); x: [M, K] floats, rows
-// lda apart, quantized per block as quantize_rows does.
-void lanes(const QWeights& w, const float* x, int64_t lda, int64_t M, float* y, bool acc);
+// lda apart, quantized per block as quantize_rows does, or with `act8` (q4 weights only; q8
+// weights ignore it) to 8 bits (quantize_block of int8_t).
+void lanes(const QWeights& w, const float* x, int64_t lda, int64_t M, float* y, bool acc,
+           bool act8);
 #endif
 
 // y (+)= x . W^T for M <= GEMV_ROWS rows over weights repacked by gemv_pack (gemv.cpp);

@@ -372,7 +372,7 @@ namespace kvpool {
 // y = x . W^T (+ out when given: the residual add of a layer, fused).
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
                       c10::optional<torch::Tensor> out, bool portable, bool wide,
-                      int64_t lanes_from, c10::optional<torch::Tensor> packed) {
+                      int64_t lanes_from, c10::optional<torch::Tensor> packed, bool act8) {
   const QWeights w = check(x, qs, d, m);
   const int64_t M = x.size(0);
   torch::Tensor y;
@@ -388,7 +388,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch:
   if (M == 0) return y;
 #if defined(KVPOOL_QGEMM_AVX512)
   if (wide && !portable && lanes_from > 0 && M >= lanes_from) {  // quantizes x itself
-    lanes(w, x.data_ptr<float>(), x.stride(0), M, y.data_ptr<float>(), acc);
+    lanes(w, x.data_ptr<float>(), x.stride(0), M, y.data_ptr<float>(), acc, act8);
     return y;
   }
 #endif
