@@ -19,7 +19,9 @@ namespace {
 // broadcast pair of weights multiplies the same pair of elements of 16 rows (one vpdpwssd per 32
 // products), a block's scale is applied once per 16 rows, and a weight row is widened to int16
 // once per call and reused by every group of rows. Same integer products and scales as the other
-// paths; only the float rounding order differs.
+// paths; only the float rounding order differs. With 8-bit activations (act8, q4 weights only) a
+// broadcast quad of weight nibbles multiplies four signed-byte elements of 16 rows (vpdpbusd: 64
+// products an instruction); those products are of another, coarser quantization of x.
 struct LaneAct {  // activations quantized (quantize_block) straight into lane order
   // [groups][K / E][16]: E = 2 int16 (16-bit) or 4 int8 (8-bit) elements x[k..k + E) of the
   // group's 16 rows in each int32 lane; rows past M hold zeros
@@ -162,7 +164,7 @@ void lanes512(const QWeights& w, const void* wbuf, const LaneAct& t, int64_t n0,
           sum[i][g] = A8 ? dot_quads(sum[i][g], wv, x[g]) : dot_pairs(sum[i][g], x[g], wv);
       }
     }
-  __m512 xd[G], xs[G];
+    __m512 xd[G], xs[G];
     for (int g = 0; g < G; ++g) {
       xd[g] = _mm512_loadu_ps(t.d.get() + ((g0 + g) * nb + b) * 16);
       if constexpr (Q4) xs[g] = _mm512_loadu_ps(t.s.get() + ((g0 + g) * nb + b) * 16);
