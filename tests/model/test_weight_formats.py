@@ -58,6 +58,10 @@ def decode_step(model, kv, tables, lens, tokens):
 @pytest.mark.parametrize("fmt", ["q4", "int8", "float32"])
 def test_fused_decode_step_equals_the_python_path(tiny, fmt, rows, kv, monkeypatch):
     monkeypatch.setenv("KVPOOL_SMALL_ROWS", rows)
+    # the prompts on BLAS whatever this machine measured for the tiny shapes: on the block
+    # kernel their KV moves the decode step's inputs so that the two paths' float order can
+    # flip a 16-bit rounding beyond the bound below (failed in CI whenever it was measured so)
+    monkeypatch.setenv("KVPOOL_PROMPT_BLOCKS", "0")
     model = LlamaModel(tiny.config, tiny.weights, torch.float32, fmt, kv)
     assert model.fused is not None
     prompts = [[5, 9, 11, 3, 7], list(range(20, 29)), list(range(40, 57))]
