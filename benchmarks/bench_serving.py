@@ -51,6 +51,9 @@ EXTRA = {
                                          "--decode-prefill-tokens", "128"],
     "disaggregated_no_lending": ["--prefill", "1", "--decode", "1",
                                  "--decode-prefill-gain", "0"],
+    # each worker on its share of the cores, as before core sharing (engine/core_share.py)
+    "disaggregated_no_share": ["--prefill", "1", "--decode", "1", "--no-share-cores"],
+    "colocated_no_share": ["--colocated", "2", "--no-share-cores"],
     # not like-for-like (more torch threads than cores): their own rows
     "disaggregated_decode_2_threads": ["--prefill", "1", "--decode", "1",
                                        "--decode-threads", "2"],

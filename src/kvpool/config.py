@@ -249,6 +249,10 @@ class WorkerConfig:
     pool_timeout: float = 3.0  # seconds a load or save may wait for the pool
     kv_load: str = "async"  # async: prefix loads run while other requests step
     fetch_policy: str = "auto"  # auto: load a prefix only when faster than recomputing it
+    # the host's core ledger and this worker's slot in it (engine/core_share.py; kvpool serve
+    # creates one): steps take the cores of idle workers of the same host
+    core_ledger: str | None = None
+    core_slot: int = 0
     log_level: str = "info"
     engine: EngineConfig = field(default_factory=EngineConfig)
     http: HttpLimits = field(default_factory=HttpLimits)
@@ -263,6 +267,8 @@ class WorkerConfig:
                              f"{FETCH_POLICIES}")  # fmt: skip
         if not self.pool_timeout > 0:
             raise ValueError("pool_timeout must be > 0")
+        if self.core_slot < 0:
+            raise ValueError("core_slot must be >= 0")
         for port in (self.port, self.rpc_port):
             if not 0 <= port <= 65535:
                 raise ValueError("ports must be in [0, 65535]")
@@ -342,6 +348,8 @@ class ClusterConfig:
     prefill_chunk: int = 128  # prefill workers' tokens per step (0: max_num_batched_tokens)
     decode_chunk: int = 256  # decode workers' tokens per step (0: max_num_batched_tokens)
     decode_threads: int | None = None  # torch threads of each decode worker (None: its share)
+    # workers step on the cores of idle ones (engine/core_share.py); off when threads are given
+    share_cores: bool = True
     engine: EngineConfig = field(default_factory=EngineConfig)
     conductor: ConductorConfig = field(default_factory=ConductorConfig)
 

@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvpool.common.errors import KVPoolError
-from kvpool.engine.llm_engine import LLMEngine
+from kvpool.engine.core_share import CoreLedger
+from kvpool.engine.llm_engine import EngineStats, LLMEngine
 from kvpool.engine.request import CompletionOutput, RequestOutput
 from kvpool.engine.sampling import SamplingParams
 
@@ -43,8 +44,9 @@ class EngineDeadError(KVPoolError):
 class AsyncLLMEngine:
     """Thread-owned engine; ``generate`` is an async iterator of cumulative RequestOutputs."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, cores: CoreLedger | None = None) -> None:
         self.engine = engine
+        self.cores = cores  # the host's cores, shared with its other workers (core_share.py)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Add] = {}
         self._stop = threading.Event()
@@ -63,6 +65,15 @@ class AsyncLLMEngine:
         self._inbox.put(None)
         self._thread.join(timeout)
         self.engine.close()
+        if self.cores is not None:
+            self.cores.close()
+
+    def stats(self) -> EngineStats:
+        """The engine's stats, with the threads its steps ran on."""
+        s = self.engine.stats()
+        if self.cores is not None:
+            s.threads, s.widened_steps = self.cores.threads, self.cores.widened_steps
+        return s
 
     @property
     def tokenizer(self):
@@ -111,9 +122,14 @@ class AsyncLLMEngine:
     def _loop(self) -> None:
         eng = self.engine
         while not self._stop.is_set():
-            self._drain(block=not eng.has_work())
+            busy = eng.has_work()
+            if not busy and self.cores is not None:
+                self.cores.idle()
+            self._drain(block=not busy)
             if not eng.has_work():
                 continue
+            if self.cores is not None:
+                self.cores.begin_step()
             try:
                 outs = eng.step()
             except Exception as e:  # a bug or OOM in one step must not kill the server silently

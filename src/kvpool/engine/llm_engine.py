@@ -55,6 +55,8 @@ class EngineStats:
     kv_fetch_predicted_seconds: float = 0.0  # its predicted waits for those loads...
     kv_fetch_realized_seconds: float = 0.0  # ...and what they were
     decode: DecodeFigures | None = None  # the roofline of recent decode-only steps
+    threads: int = 0  # torch threads of the last step (0: not known to the engine)
+    widened_steps: int = 0  # steps on the cores of idle workers (engine/core_share.py)
 
 
 class LLMEngine:

@@ -128,6 +128,7 @@ def launch(cluster: ClusterConfig, token: str | None) -> int:
     pool, workers = plan(cluster)
     children: list[Child] = []
     conductor = None
+    ledger = share_cores(cluster, workers)
     try:
         master = None
         for child in pool:
@@ -180,8 +181,25 @@ def launch(cluster: ClusterConfig, token: str | None) -> int:
             conductor.cluster.close()
         for child in reversed(children):
             child.stop()
+        if ledger is not None:
+            ledger.unlink(missing_ok=True)
         print("kvpool serve: stopped", flush=True)
     return 0
+
+
+def share_cores(cluster: ClusterConfig, workers: list[Child]):
+    """The workers' core ledger (engine/core_share.py), each worker given its slot; None when
+    sharing is off, threads were set by hand, or there is one worker. Returns its path."""
+    if not cluster.share_cores or len(workers) < 2 or cluster.engine.num_threads or \
+            cluster.decode_threads:  # fmt: skip
+        return None
+    from kvpool.engine.core_share import create_ledger, host_cores
+
+    path = create_ledger(len(workers), host_cores())
+    for slot, child in enumerate(workers):
+        assert isinstance(child.config, WorkerConfig)
+        child.config.core_ledger, child.config.core_slot = str(path), slot
+    return path
 
 
 def _wait_all_alive(conductor, n: int, timeout: float = 30.0) -> None:

@@ -53,6 +53,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("--decode-threads", type=int, default=None, metavar="N",
                    help="torch threads of each decode worker (default: the same share of the "
                         "cores as every worker; more than its share oversubscribes them)")  # fmt: skip
+    c.add_argument("--no-share-cores", dest="share_cores", action="store_false",
+                   help="keep each worker on its share of the cores (default: a worker steps "
+                        "on the cores of the workers that are idle; off when --threads or "
+                        "--decode-threads is given)")  # fmt: skip
     c.add_argument("--prefill-chunk", type=int, default=128, metavar="TOKENS",
                    help="prefill workers' tokens per step (default %(default)s; 0: "
                         "--max-num-batched-tokens): a chunk's KV is published to the pool "
@@ -85,7 +89,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     return ClusterConfig(prefill=args.prefill, decode=args.decode, colocated=args.colocated,
                          store_memory=args.store_memory, prefill_chunk=args.prefill_chunk,
                          decode_chunk=args.decode_chunk,
-                         decode_threads=args.decode_threads,
+                         decode_threads=args.decode_threads, share_cores=args.share_cores,
                          engine=engine_config(args), conductor=conductor_config(args, []))  # fmt: skip
 
 

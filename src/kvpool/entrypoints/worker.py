@@ -137,7 +137,15 @@ async def _main(cfg: WorkerConfig, token: str | None, parts: list) -> None:
     name = cfg.engine.served_model_name or common.served_name_of(cfg.engine.model)
     connector = _connector(cfg, token, parts)
     engine = LLMEngine(cfg.engine, connector=connector)
-    aeng = AsyncLLMEngine(engine).start()
+    cores = None
+    if cfg.core_ledger:
+        from kvpool.engine.core_share import CoreLedger
+
+        try:
+            cores = CoreLedger(cfg.core_ledger, cfg.core_slot, cfg.engine.num_threads or 1)
+        except (OSError, ValueError) as exc:
+            raise KVPoolError(f"core ledger: {exc}") from exc
+    aeng = AsyncLLMEngine(engine, cores).start()
     parts.append(aeng.shutdown)
     sock = socket.create_server((cfg.host, cfg.port), family=_family(cfg.host))
     http = f"{_url_host(cfg.host)}:{sock.getsockname()[1]}"

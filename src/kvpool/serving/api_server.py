@@ -56,7 +56,7 @@ class OpenAIServer:
                  internal_keys: list[str] | tuple = ()) -> None:  # fmt: skip
         self.model_name = model_name
         self.internal_keys = tuple(internal_keys)
-        self.metrics = ServerMetrics(aeng.engine.stats)
+        self.metrics = ServerMetrics(aeng.stats)
         self.client = EngineClient(aeng, self.metrics)
         self.responder = Responder(self.client)
         self.strings = TokenStrings(aeng.engine.tokenizer)

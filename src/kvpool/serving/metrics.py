@@ -104,7 +104,10 @@ _COUNTERS = (
         "prefix_cache_hits",
     ),
     ("kvpool_num_preemptions", "Requests preempted for lack of KV blocks.", "num_preemptions"),
-)
+    ("kvpool_widened_steps",
+     "Steps run on more torch threads than the worker's share: the cores of idle workers of "
+     "the same host (kvpool serve's core sharing).", "widened_steps"),
+)  # fmt: skip
 _FETCH_SECONDS = (
     ("kvpool_kv_fetch_predicted_seconds", "Predicted waits of the prefix loads chosen.",
      "kv_fetch_predicted_seconds"),
@@ -116,7 +119,9 @@ _GAUGES = (
     ("kvpool_num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
     ("kvpool_kv_cache_usage_ratio", "Share of KV blocks held by requests (0..1).", "kv_usage"),
     ("kvpool_num_kv_blocks", "KV blocks in the engine's cache.", "num_kv_blocks"),
-)
+    ("kvpool_engine_threads", "Torch threads of the last step (0: the worker does not share "
+     "cores).", "threads"),
+)  # fmt: skip
 
 # (name, help, DecodeFigures field): the roofline of the recent decode-only steps
 _DECODE = (

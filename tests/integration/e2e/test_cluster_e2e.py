@@ -44,6 +44,8 @@ def cluster(tmp_path_factory):
     leaked = [f for f in os.listdir("/dev/shm")
               if any(f.startswith(f"kvpool-{pid}-") for pid in pids)]  # fmt: skip
     assert not leaked, leaked
+    ledgers = [f for f in os.listdir("/dev/shm") if f.startswith(f"kvpool-cores-{proc.pid}-")]
+    assert not ledgers, ledgers  # the workers' core ledger went with them
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +163,27 @@ def test_multi_turn_chat_reuses_the_prefix_and_matches_one_engine(cluster, clien
     after = counters(cluster[1])["decode-1"]
     if usage.prompt_tokens % 16:
         assert after["direct_tail_reads"] == tails["direct_tail_reads"] + 1, after
+
+
+def test_workers_step_on_the_cores_of_idle_ones(cluster, client):
+    """Three workers on this host share its cores (engine/core_share.py): a prompt computed
+    while the other workers idle runs on more threads than a worker's share."""
+    from kvpool.engine.core_share import host_cores
+
+    if host_cores() < 2:
+        pytest.skip("one core: a worker's share is the whole host")
+    _, url = cluster
+    chat(client, [{"role": "user", "content": SYSTEM + "Which river flows through Vienna?"}])
+    widened, threads = {}, {}
+    for w in cluster_doc(url)["workers"]:
+        for line in httpx.get(f"http://{w['address']}/metrics", timeout=10).text.splitlines():
+            if line.startswith("kvpool_widened_steps_total"):
+                widened[w["id"]] = float(line.split()[-1])
+            if line.startswith("kvpool_engine_threads"):
+                threads[w["id"]] = float(line.split()[-1])
+    assert len(widened) == 3 and all(t >= 1 for t in threads.values()), (widened, threads)
+    # the prefill that computed it ran alone, and so did the decode worker's steps after it
+    assert widened["decode-1"] > 0 and sum(widened.values()) > widened["decode-1"], widened
 
 
 def test_overload_gets_429_with_retry_after_and_no_unbounded_queue(cluster):

@@ -1,0 +1,122 @@
+"""The host's core ledger (engine/core_share.py): a worker alone steps on every core, two busy
+workers on their shares; the file is shared across processes and validated when opened."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kvpool.config import ClusterConfig, EngineConfig
+from kvpool.engine.core_share import HEADER, CoreLedger, create_ledger
+
+
+@pytest.fixture(autouse=True)
+def keep_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_a_worker_alone_takes_every_core_and_gives_them_back(tmp_path):
+    path = create_ledger(2, 2, str(tmp_path))
+    a, b = CoreLedger(path, 0, 1), CoreLedger(path, 1, 1)
+    assert a.begin_step() == 2 and torch.get_num_threads() == 2  # b idle
+    assert b.begin_step() == 1 and torch.get_num_threads() == 1  # a still busy
+    assert a.begin_step() == 1  # a's next step goes back to its share
+    b.idle()
+    assert a.begin_step() == 2 and torch.get_num_threads() == 2
+    assert (a.widened_steps, b.widened_steps) == (2, 0)
+    a.close()
+    assert b.begin_step() == 2  # a closed: its slot is idle
+    b.close()
+    b.close()  # twice is fine
+
+
+def test_shares_are_a_floor_and_odd_counts_round_down(tmp_path):
+    path = create_ledger(3, 4, str(tmp_path))
+    ledgers = [CoreLedger(path, i, 1) for i in range(3)]
+    assert ledgers[0].begin_step() == 4
+    assert ledgers[1].begin_step() == 2
+    assert ledgers[2].begin_step() == 1  # 4 // 3
+    wide = CoreLedger(path, 0, 3)  # a worker given 3 threads never runs on fewer
+    assert wide.begin_step() == 3 and wide.widened_steps == 0
+
+
+def test_the_ledger_is_shared_across_processes(tmp_path):
+    path = create_ledger(2, 2, str(tmp_path))
+    ours = CoreLedger(path, 0, 1)
+    code = textwrap.dedent(f"""
+        from kvpool.engine.core_share import CoreLedger
+        other = CoreLedger({str(path)!r}, 1, 1)
+        other.begin_step()
+        print("busy", flush=True)
+        input()
+        other.idle()
+        print("idle", flush=True)
+        input()
+    """)
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert child.stdout.readline().strip() == "busy"
+        assert ours.begin_step() == 1
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "idle"
+        assert ours.begin_step() == 2
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(30) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+
+@pytest.mark.parametrize(
+    "content, slot, message",
+    [
+        (b"KV", 0, "too short"),
+        (HEADER.pack(b"XXXX", 1, 2, 2) + bytes(2), 0, "not a version-1"),
+        (HEADER.pack(b"KVPC", 9, 2, 2) + bytes(2), 0, "not a version-1"),
+        (HEADER.pack(b"KVPC", 1, 2, 2) + bytes(2), 2, "outside its 2 slots"),
+        (HEADER.pack(b"KVPC", 1, 2, 2) + bytes(1), 0, "bad size"),
+    ],
+)
+def test_a_bad_ledger_is_refused(tmp_path, content, slot, message):
+    path = tmp_path / "ledger"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        CoreLedger(path, slot, 1)
+
+
+def test_create_refuses_bad_sizes(tmp_path):
+    with pytest.raises(ValueError):
+        create_ledger(0, 2, str(tmp_path))
+    with pytest.raises(ValueError):
+        create_ledger(2, 0, str(tmp_path))
+
+
+def test_the_launcher_shares_cores_only_when_it_may(tmp_path, monkeypatch):
+    import kvpool.engine.core_share as cs
+    from kvpool.entrypoints.launcher import plan, share_cores
+
+    made = []
+    monkeypatch.setattr(cs, "create_ledger",
+                        lambda slots, cores: made.append(create_ledger(slots, cores, str(tmp_path)))
+                        or made[-1])  # fmt: skip
+    _, workers = plan(ClusterConfig())
+    path = share_cores(ClusterConfig(), workers)
+    assert path == made[0] and path.exists()
+    assert [(w.config.core_ledger, w.config.core_slot) for w in workers] == [
+        (str(path), 0), (str(path), 1)]  # fmt: skip
+    for off in (ClusterConfig(share_cores=False), ClusterConfig(decode_threads=2),
+                ClusterConfig(engine=EngineConfig(num_threads=1)),
+                ClusterConfig(prefill=1, decode=0)):  # fmt: skip
+        _, workers = plan(off)
+        assert share_cores(off, workers) is None
+        assert all(w.config.core_ledger is None for w in workers)
+    assert len(made) == 1
