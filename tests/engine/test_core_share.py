@@ -36,6 +36,19 @@ def test_a_worker_alone_takes_every_core_and_gives_them_back(tmp_path):
     b.close()  # twice is fine
 
 
+def test_adjust_narrows_and_widens_without_marking_busy(tmp_path):
+    path = create_ledger(2, 2, str(tmp_path))
+    a, b = CoreLedger(path, 0, 1), CoreLedger(path, 1, 1)
+    assert a.begin_step() == 2
+    b.begin_step()  # b wakes mid-step of a: a's next layer narrows...
+    assert a.adjust() == 1 and torch.get_num_threads() == 1
+    b.idle()  # ...and widens again once b is idle
+    assert a.adjust() == 2 and torch.get_num_threads() == 2
+    b.idle()
+    assert b.adjust() == 2  # b is idle itself: it counts only a
+    assert a.widened_steps == 1
+
+
 def test_shares_are_a_floor_and_odd_counts_round_down(tmp_path):
     path = create_ledger(3, 4, str(tmp_path))
     ledgers = [CoreLedger(path, i, 1) for i in range(3)]

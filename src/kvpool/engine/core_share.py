@@ -7,7 +7,8 @@ with one byte per worker, 1 while that worker has requests; before each step a w
 itself busy, counts the busy ones and steps on ``cores // busy`` threads (at least its share):
 alone, it takes every core; when the other wakes, both go back to their shares from their next
 step on. A step already running when the other wakes finishes on the threads it started with,
-so the two overlap by at most one step.
+so the two overlap by at most one step: a decode step, or one layer of a prompt step (the
+prompt path asks the ledger again between layers, ``LlamaModel.between_layers``).
 
 The file's layout (little-endian): magic ``KVPC``, version (u16), slots (u16), cores (u32),
 then one byte per slot. A worker whose process dies while busy leaves its byte at 1: the others
@@ -81,12 +82,19 @@ class CoreLedger:
         """Mark this worker busy and set torch's threads for the step about to run; returns
         them."""
         self._map[self.slot] = 1
+        want = self.adjust()
+        if want > self.share:
+            self.widened_steps += 1
+        return want
+
+    def adjust(self) -> int:
+        """Torch's threads for what the other workers do now (the prompt path calls this
+        between layers, so a wide prompt step narrows within a layer of another worker
+        waking, and widens when the others go idle); returns them."""
         want = max(self.share, self.cores // max(1, self._busy_count()))
         if want != torch.get_num_threads():
             torch.set_num_threads(want)
         self.threads = want
-        if want > self.share:
-            self.widened_steps += 1
         return want
 
     def idle(self) -> None:

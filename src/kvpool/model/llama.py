@@ -7,6 +7,7 @@ matmuls, and fusing q/k/v and gate/up into one matmul each saves half the weight
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +101,9 @@ class LlamaModel:
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
         self.fused = self._fused_decode(make.kernels if make.kernels is not None else kernels())
+        # called before each layer of a step with prompt tokens (the host's core ledger sets
+        # the threads there: engine/core_share.py)
+        self.between_layers: Callable[[], object] | None = None
 
     def _fused_decode(self, mod):
         """The whole decode step in one C++ call (``kernels/decode.cpp``), or None (no
@@ -170,7 +174,10 @@ class LlamaModel:
         t = input_ids.shape[0]
         heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         inter = cfg.intermediate_size
+        hook = self.between_layers
         for i, layer in enumerate(self.layers):
+            if hook is not None:
+                hook()
             x = self._rms(h, layer.ln_attn)
             qkv = layer.qkv(x, prompt)
             if fused is not None:  # in place, one pass (kernels/decode.cpp)
