@@ -133,3 +133,11 @@ def test_the_launcher_shares_cores_only_when_it_may(tmp_path, monkeypatch):
         assert share_cores(off, workers) is None
         assert all(w.config.core_ledger is None for w in workers)
     assert len(made) == 1
+
+    def unwritable(slots, cores):
+        raise PermissionError("/dev/shm is read-only")
+
+    monkeypatch.setattr(cs, "create_ledger", unwritable)  # sharing is skipped, not fatal
+    _, workers = plan(ClusterConfig())
+    assert share_cores(ClusterConfig(), workers) is None
+    assert all(w.config.core_ledger is None for w in workers)

@@ -195,7 +195,11 @@ def share_cores(cluster: ClusterConfig, workers: list[Child]):
         return None
     from kvpool.engine.core_share import create_ledger, host_cores
 
-    path = create_ledger(len(workers), host_cores())
+    try:
+        path = create_ledger(len(workers), host_cores())
+    except OSError as exc:
+        print(f"kvpool serve: no core sharing ({exc}); each worker keeps its share", flush=True)
+        return None
     for slot, child in enumerate(workers):
         assert isinstance(child.config, WorkerConfig)
         child.config.core_ledger, child.config.core_slot = str(path), slot
