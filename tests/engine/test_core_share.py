@@ -141,3 +141,23 @@ def test_the_launcher_shares_cores_only_when_it_may(tmp_path, monkeypatch):
     _, workers = plan(ClusterConfig())
     assert share_cores(ClusterConfig(), workers) is None
     assert all(w.config.core_ledger is None for w in workers)
+
+
+def test_wide_steps_are_not_cost_model_samples(tiny_engine_factory):
+    """A step on the cores of idle workers is timed (compute_seconds) but not fitted: the
+    conductor's predictions are for a loaded host, where every worker is on its share."""
+    from kvpool import SamplingParams
+
+    eng = tiny_engine_factory()
+    wide = [False]
+    eng.wide_step = lambda: wide[0]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    eng.add_request("a", list(range(10, 30)), params)
+    eng.step()
+    assert len(eng.step_times) == 1
+    first = eng.compute_seconds
+    assert first > 0
+    wide[0] = True
+    while eng.has_work():
+        eng.step()
+    assert len(eng.step_times) == 1 and eng.compute_seconds > first

@@ -47,8 +47,10 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, cores: CoreLedger | None = None) -> None:
         self.engine = engine
         self.cores = cores  # the host's cores, shared with its other workers (core_share.py)
-        if cores is not None and hasattr(engine.model, "between_layers"):
-            engine.model.between_layers = cores.adjust
+        if cores is not None:
+            engine.wide_step = lambda: cores.step_wide  # not a cost-model sample
+            if hasattr(engine.model, "between_layers"):
+                engine.model.between_layers = cores.adjust
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Add] = {}
         self._stop = threading.Event()

@@ -74,6 +74,7 @@ class CoreLedger:
         self.share = max(1, share)  # the threads the worker has when every worker is busy
         self.threads = self.share
         self.widened_steps = 0  # steps run on more threads than the share
+        self.step_wide = False  # the current step ran on more threads than the share, so far
 
     def _busy_count(self) -> int:
         return sum(self._map[HEADER.size:HEADER.size + self.slots])  # fmt: skip
@@ -82,6 +83,7 @@ class CoreLedger:
         """Mark this worker busy and set torch's threads for the step about to run; returns
         them."""
         self._map[self.slot] = 1
+        self.step_wide = False
         want = self.adjust()
         if want > self.share:
             self.widened_steps += 1
@@ -95,6 +97,7 @@ class CoreLedger:
         if want != torch.get_num_threads():
             torch.set_num_threads(want)
         self.threads = want
+        self.step_wide = self.step_wide or want > self.share
         return want
 
     def idle(self) -> None:

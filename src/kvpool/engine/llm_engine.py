@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +90,11 @@ class LLMEngine:
         )
         # (prefill tokens, decoding sequences, seconds) of recent steps: cost-model samples
         self.step_times: deque[tuple[int, int, float]] = deque(maxlen=512)
+        # true for a step that ran on the cores of idle workers (engine/core_share.py): not a
+        # sample, since the predictions it feeds (TTFT, lending, admission) matter under load,
+        # when every worker is on its share
+        self.wide_step: Callable[[], bool] | None = None
+        self.compute_seconds = 0.0  # of every step, wide or not
         self.decode_meter = DecodeMeter(self.model, known_limits())
         self.namespace = kv_namespace(
             self.model.fingerprint(self.loaded.fingerprint),
@@ -266,7 +272,9 @@ class LLMEngine:
         decodes = sum(1 for c in sched.chunks if c.start >= c.request.num_prompt_tokens)
         prefill = sched.num_tokens - decodes
         took = time.perf_counter() - t0
-        self.step_times.append((prefill, decodes, took))
+        self.compute_seconds += took
+        if self.wide_step is None or not self.wide_step():
+            self.step_times.append((prefill, decodes, took))
         if prefill == 0:  # a step of decodes only: what it read, over how long it took
             self.decode_meter.observe(decodes, sum(c.start + 1 for c in sched.chunks), took)
         self._save(sched.new_blocks)

@@ -71,7 +71,7 @@ class WorkerControl:
             "prefix_hits_pool": st.external_prefix_hits,
             "preemptions": st.num_preemptions,
             "local_evictions": eng.pool.stats.evictions,
-            "compute_seconds": float(sum(t for _, _, t in eng.step_times)),
+            "compute_seconds": eng.compute_seconds,
             "steps": st.steps,
         }
         if self.connector is not None:
