@@ -253,6 +253,7 @@ class WorkerConfig:
     # creates one): steps take the cores of idle workers of the same host
     core_ledger: str | None = None
     core_slot: int = 0
+    core_slots: int = 0  # > 0: create the ledger with this many slots if it does not exist
     log_level: str = "info"
     engine: EngineConfig = field(default_factory=EngineConfig)
     http: HttpLimits = field(default_factory=HttpLimits)
@@ -267,8 +268,10 @@ class WorkerConfig:
                              f"{FETCH_POLICIES}")  # fmt: skip
         if not self.pool_timeout > 0:
             raise ValueError("pool_timeout must be > 0")
-        if self.core_slot < 0:
-            raise ValueError("core_slot must be >= 0")
+        if self.core_slot < 0 or self.core_slots < 0:
+            raise ValueError("core_slot and core_slots must be >= 0")
+        if self.core_slots and self.core_slot >= self.core_slots:
+            raise ValueError("core_slot must be below core_slots")
         for port in (self.port, self.rpc_port):
             if not 0 <= port <= 65535:
                 raise ValueError("ports must be in [0, 65535]")

@@ -161,3 +161,35 @@ def test_wide_steps_are_not_cost_model_samples(tiny_engine_factory):
     while eng.has_work():
         eng.step()
     assert len(eng.step_times) == 1 and eng.compute_seconds > first
+
+
+def test_workers_started_by_hand_create_the_ledger_once(tmp_path):
+    """``kvpool worker --core-ledger PATH --core-slots M``: the first worker creates it, the
+    next ones open it; a different slot count is refused."""
+    from kvpool.engine.core_share import host_cores, open_ledger
+
+    path = tmp_path / "kvpool-cores-group"
+    first = open_ledger(path, 0, 1, slots=2)
+    assert (first.slots, first.cores) == (2, host_cores())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # nothing left aside
+    second = open_ledger(path, 1, 1, slots=2)
+    first.begin_step()
+    assert second._busy_count() == 1  # the same file
+    with pytest.raises(ValueError, match="2 slots, not 3"):
+        open_ledger(path, 0, 1, slots=3)
+    with pytest.raises(FileNotFoundError):
+        open_ledger(tmp_path / "missing", 0, 1)  # slots=0: it must exist
+
+
+def test_worker_flags_name_the_ledger():
+    from kvpool import cli
+    from kvpool.config import WorkerConfig
+    from kvpool.entrypoints.worker import worker_config
+
+    args = cli.build_parser().parse_args(["worker", "--role", "decode", "--core-ledger",
+                                          "/dev/shm/kvpool-cores-x", "--core-slot", "1",
+                                          "--core-slots", "2"])  # fmt: skip
+    cfg = worker_config(args)
+    assert (cfg.core_ledger, cfg.core_slot, cfg.core_slots) == ("/dev/shm/kvpool-cores-x", 1, 2)
+    with pytest.raises(ValueError, match="below core_slots"):
+        WorkerConfig(core_ledger="x", core_slot=2, core_slots=2)

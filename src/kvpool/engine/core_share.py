@@ -55,6 +55,27 @@ def create_ledger(slots: int, cores: int, directory: str | None = None) -> Path:
     return path
 
 
+def open_ledger(path: str | os.PathLike, slot: int, share: int, slots: int = 0) -> CoreLedger:
+    """The ledger at ``path``, created first when ``slots`` > 0 and it does not exist yet
+    (workers started one by one on a host, ``kvpool worker --core-ledger``): written aside, then
+    linked into place, so a worker starting at the same moment sees the whole file or none and
+    the first creator wins. A ledger of another slot count is refused."""
+    path = Path(path)
+    if slots > 0 and not path.exists():
+        made = create_ledger(slots, host_cores(), str(path.parent))
+        try:
+            os.link(made, path)
+        except FileExistsError:
+            pass
+        finally:
+            made.unlink()
+    ledger = CoreLedger(path, slot, share)
+    if slots > 0 and ledger.slots != slots:
+        ledger.close()
+        raise ValueError(f"{path}: a ledger of {ledger.slots} slots, not {slots}")
+    return ledger
+
+
 class CoreLedger:
     """One worker's view of its host's ledger: ``begin_step`` before a step, ``idle`` when its
     queue empties."""

@@ -49,6 +49,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="auto: load a prefix only when that is predicted faster than "
                         "recomputing it (measured load cost against the engine's step-cost "
                         "model); always: load whatever the pool holds")  # fmt: skip
+    p.add_argument("--core-ledger", default=None, metavar="PATH",
+                   help="share this host's cores with the other workers that name the same "
+                        "file (e.g. /dev/shm/kvpool-cores-mygroup): a step takes the cores of "
+                        "the idle ones (kvpool serve does this for its own workers)")  # fmt: skip
+    p.add_argument("--core-slot", type=int, default=0, metavar="N",
+                   help="this worker's slot in --core-ledger, unique per worker (default 0)")  # fmt: skip
+    p.add_argument("--core-slots", type=int, default=0, metavar="M",
+                   help="the workers sharing --core-ledger: it is created with M slots over "
+                        "this host's cores if it does not exist (0: it must exist)")  # fmt: skip
     common.add_engine_args(p)
     common.add_http_args(p)
     p.add_argument("--log-level", default="info",
@@ -70,7 +79,9 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
                         directory=args.directory, etcd=args.etcd,
                         pool_timeout=args.pool_timeout, kv_load=args.kv_load,
                         fetch_policy=args.fetch_policy, log_level=args.log_level,
-                        engine=engine, http=common.http_limits(args))  # fmt: skip
+                        core_ledger=args.core_ledger, core_slot=args.core_slot,
+                        core_slots=args.core_slots, engine=engine,
+                        http=common.http_limits(args))  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,10 +150,11 @@ async def _main(cfg: WorkerConfig, token: str | None, parts: list) -> None:
     engine = LLMEngine(cfg.engine, connector=connector)
     cores = None
     if cfg.core_ledger:
-        from kvpool.engine.core_share import CoreLedger
+        from kvpool.engine.core_share import open_ledger
 
         try:
-            cores = CoreLedger(cfg.core_ledger, cfg.core_slot, cfg.engine.num_threads or 1)
+            cores = open_ledger(cfg.core_ledger, cfg.core_slot, cfg.engine.num_threads or 1,
+                                cfg.core_slots)  # fmt: skip
         except (OSError, ValueError) as exc:
             raise KVPoolError(f"core ledger: {exc}") from exc
     aeng = AsyncLLMEngine(engine, cores).start()
