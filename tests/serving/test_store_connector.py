@@ -107,7 +107,6 @@ def test_unreachable_pool_falls_back_to_local_compute(tiny_engine_factory):
         sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         want = run(eng, prompt, sp, "warm").outputs[0].token_ids
         assert conn.wait_saved(eng.pool.cached_hashes(), 10)
-        eng._release_saved()  # blocks still held for saving would keep their cached hashes
         store.server.close()  # the master goes away
         assert eng.reset_prefix_cache() > 0
         out = run(eng, prompt, sp, "after")
@@ -116,6 +115,26 @@ def test_unreachable_pool_falls_back_to_local_compute(tiny_engine_factory):
         eng.close()
         with pytest.raises(KVPoolError):
             store.exists("x")
+    finally:
+        store.close()
+
+
+def test_a_reset_after_the_saves_forgets_every_cached_block(tiny_engine_factory):
+    """Blocks are held for the saver until a step sees their saves finished; a reset right
+    after ``wait_saved`` lets those go first (before, the prefix stayed cached and the next
+    run of the same prompt was a local hit: the slow-tier test timed one at 13 ms)."""
+    store = EmbeddedStore(memory="16MiB")
+    try:
+        conn = StoreConnector(store)
+        eng = tiny_engine_factory(connector=conn)
+        prompt = prompt_of(4, 17)
+        sp = SamplingParams(temperature=0, max_tokens=1)
+        run(eng, prompt, sp, "warm")
+        cached = eng.pool.cached_hashes()
+        assert len(cached) == 4 and conn.wait_saved(cached, 10)
+        assert eng.reset_prefix_cache() == 4
+        assert eng.pool.cached_hashes() == []
+        eng.close()
     finally:
         store.close()
 

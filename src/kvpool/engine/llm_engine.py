@@ -371,6 +371,10 @@ class LLMEngine:
         )
 
     def reset_prefix_cache(self) -> int:
+        """Forget the hashes of every cached block no request holds; returns how many. Blocks
+        whose saves have finished are let go first (until the next step they are still held
+        for the saver, and a reset right after ``wait_saved`` would keep them)."""
+        self._release_saved()
         return self.pool.reset_cache()
 
     def close(self) -> None:

@@ -128,6 +128,7 @@ def measure(modes: dict[str, LLMEngine], prompts: dict[str, list[int]],
             for mode, eng in modes.items():
                 times[mode].append(ttft(eng, prompt, rng))
         out["ttft"][kind] = {m: statistics.median(t) for m, t in times.items()}
+        out.setdefault("runs", {})[kind] = {m: [round(x, 3) for x in t] for m, t in times.items()}
         out["decisions"][kind] = {k: v - before[k] for k, v in decisions().items()}
     pol = auto.connector.policy
     out["model"] = {"prefill_token_s": auto.costs.fit.prefill_token_s,

@@ -27,6 +27,7 @@ if rigmod.available():
 
 DRIVER = Path(__file__).with_name("slow_tier_driver.py")
 FACTORS = {"fast": 4.0, "slow": 1 / 2.5}  # link rate over the break-even rate
+REPEATS = 3
 
 
 def run_driver(tmp_path: Path) -> dict:
@@ -48,7 +49,7 @@ def run_driver(tmp_path: Path) -> dict:
                    "--memory", "512MiB", "--node-id", "slow", "--log-level", "warning",
                    name="node", env=env)  # fmt: skip
         driver = rig.python("decode", DRIVER, "--master", f"{store}:7000", "--host", decode,
-                            "--repeats", "3", name="driver", env=env, stdin=True)  # fmt: skip
+                            "--repeats", str(REPEATS), name="driver", env=env, stdin=True)  # fmt: skip
         cal = json.loads(driver.readline(600))
         break_even = cal["bytes"] / cal["recompute_s"]
         print(f"SLOW TIER calibration: {cal}", flush=True)
@@ -68,6 +69,8 @@ def test_policy_picks_the_faster_of_load_and_recompute(tmp_path):
     for link, out in run_driver(tmp_path).items():
         t, d = out["ttft"], out["decisions"]
         long, short = t["long"], t["short"]
+        for kind in ("short", "long"):  # every repeat decided (none was a local hit)
+            assert sum(d[kind][k] for k in ("loads", "recomputes", "skipped")) == REPEATS, out
         if link == "fast":
             assert long["load"] < long["recompute"], out  # the link pays for a long prefix...
             assert d["long"]["loads"] >= 2 and d["long"]["recomputes"] == 0, out  # ...it loads
