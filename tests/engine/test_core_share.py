@@ -193,3 +193,50 @@ def test_worker_flags_name_the_ledger():
     assert (cfg.core_ledger, cfg.core_slot, cfg.core_slots) == ("/dev/shm/kvpool-cores-x", 1, 2)
     with pytest.raises(ValueError, match="below core_slots"):
         WorkerConfig(core_ledger="x", core_slot=2, core_slots=2)
+
+
+def test_a_fused_decode_step_narrows_when_another_worker_wakes(tiny_engine_factory, tmp_path):
+    """A decode step begun on every core (the other worker idle) gives the cores back before
+    its next layer once the other marks itself busy (the fused C++ step reads the file itself),
+    and never widens within a step."""
+    from kvpool import SamplingParams
+
+    eng = tiny_engine_factory()
+    if getattr(eng.model, "fused", None) is None:
+        pytest.skip("no C++ kernels: decode steps run layer by layer in Python")
+    path = create_ledger(2, 2, str(tmp_path))
+    a = CoreLedger(path, 0, 1)
+    a.attach(eng.model)
+    assert eng.model.between_layers == a.adjust
+
+    def other(busy: bool) -> None:  # the other worker, as its process writes the file
+        with open(path, "r+b") as f:
+            f.seek(HEADER.size + 1)
+            f.write(b"\x01" if busy else b"\x00")
+
+    eng.add_request("r", list(range(10, 30)), SamplingParams(temperature=0, max_tokens=8))
+    a.begin_step()
+    eng.step()  # the prompt
+    assert a.begin_step() == 2 and torch.get_num_threads() == 2  # alone: wide
+    other(True)  # wakes after this step's threads were chosen
+    eng.step()  # a decode step: narrowed at its first layer
+    assert torch.get_num_threads() == 1 and eng.model.fused.narrowed == 1
+    other(False)
+    eng.step()  # the other went idle: a step never widens by itself...
+    assert torch.get_num_threads() == 1 and eng.model.fused.narrowed == 1
+    assert a.begin_step() == 2  # ...its next one starts wide again
+    eng.step()
+    assert eng.model.fused.narrowed == 1
+    a.close()
+
+
+def test_a_ledger_too_short_for_its_slots_is_refused_by_the_fused_step(tiny_engine_factory,
+                                                                       tmp_path):  # fmt: skip
+    fused = getattr(tiny_engine_factory().model, "fused", None)
+    if fused is None:
+        pytest.skip("no C++ kernels")
+    path = create_ledger(2, 2, str(tmp_path))
+    with pytest.raises(RuntimeError, match="shorter than its 4 slots"):
+        fused.share_cores(str(path), HEADER.size, 4, 2, 1)
+    with pytest.raises(RuntimeError, match="cannot open"):
+        fused.share_cores(str(tmp_path / "none"), HEADER.size, 2, 2, 1)

@@ -6,9 +6,11 @@ bursts), its cores idle while the other steps on its share. The ledger is a smal
 with one byte per worker, 1 while that worker has requests; before each step a worker marks
 itself busy, counts the busy ones and steps on ``cores // busy`` threads (at least its share):
 alone, it takes every core; when the other wakes, both go back to their shares from their next
-step on. A step already running when the other wakes finishes on the threads it started with,
-so the two overlap by at most one step: a decode step, or one layer of a prompt step (the
-prompt path asks the ledger again between layers, ``LlamaModel.between_layers``).
+step on. A step already running when the other wakes narrows before its next layer: the prompt
+path asks the ledger between layers (``LlamaModel.between_layers``), the fused decode step reads
+the file itself (``DecodeModel.share_cores``, kernels/decode.cpp: a decode step run on two
+threads while another process computed on one of the two cores took 2.5x its time, and its
+slowest steps 3x those of one thread). So two workers overlap by at most one layer.
 
 The file's layout (little-endian): magic ``KVPC``, version (u16), slots (u16), cores (u32),
 then one byte per slot. A worker whose process dies while busy leaves its byte at 1: the others
@@ -91,11 +93,20 @@ class CoreLedger:
             if not 0 <= slot < slots or os.fstat(f.fileno()).st_size != HEADER.size + slots:
                 raise ValueError(f"{path}: slot {slot} outside its {slots} slots, or bad size")
             self._map = mmap.mmap(f.fileno(), HEADER.size + slots)
+        self.path = Path(path)
         self.slots, self.cores, self.slot = slots, cores, HEADER.size + slot
         self.share = max(1, share)  # the threads the worker has when every worker is busy
         self.threads = self.share
         self.widened_steps = 0  # steps run on more threads than the share
         self.step_wide = False  # the current step ran on more threads than the share, so far
+
+    def attach(self, model) -> None:
+        """Have ``model`` (a ``LlamaModel``) ask the ledger between the layers of its steps."""
+        if hasattr(model, "between_layers"):
+            model.between_layers = self.adjust
+        fused = getattr(model, "fused", None)
+        if fused is not None and hasattr(fused, "share_cores"):
+            fused.share_cores(str(self.path), HEADER.size, self.slots, self.cores, self.share)
 
     def _busy_count(self) -> int:
         return sum(self._map[HEADER.size:HEADER.size + self.slots])  # fmt: skip

@@ -7,6 +7,12 @@
 // (rope_rows_, silu_mul_rows) where the kernels are built.
 #include "kernels.h"
 
+#include <ATen/Parallel.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -177,6 +183,41 @@ torch::Tensor DecodeModel::silu_mul_rows(torch::Tensor gu) const {
   return act;
 }
 
+DecodeModel::~DecodeModel() {
+  if (ledger_ != nullptr) munmap(const_cast<uint8_t*>(ledger_), ledger_len_);
+}
+
+void DecodeModel::share_cores(const std::string& path, int64_t first, int64_t slots,
+                              int64_t cores, int64_t share) {
+  TORCH_CHECK(first >= 0 && slots >= 1 && cores >= 1 && share >= 1,
+              "share_cores: bad ledger layout or counts");
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  TORCH_CHECK(fd >= 0, "share_cores: cannot open ", path, ": ", std::strerror(errno));
+  struct stat st {};
+  const size_t len = static_cast<size_t>(first + slots);
+  void* at = MAP_FAILED;
+  if (fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) >= len)
+    at = mmap(nullptr, len, PROT_READ, MAP_SHARED, fd, 0);
+  close(fd);
+  TORCH_CHECK(at != MAP_FAILED, "share_cores: ", path, " is shorter than its ", slots,
+              " slots, or cannot be mapped");
+  if (ledger_ != nullptr) munmap(const_cast<uint8_t*>(ledger_), ledger_len_);
+  ledger_ = static_cast<const volatile uint8_t*>(at);
+  ledger_len_ = len;
+  ledger_first_ = first, ledger_slots_ = slots, ledger_cores_ = cores, ledger_share_ = share;
+}
+
+void DecodeModel::narrow_to_ledger() {
+  if (ledger_ == nullptr) return;
+  int64_t busy = 0;
+  for (int64_t i = 0; i < ledger_slots_; ++i) busy += ledger_[ledger_first_ + i];
+  const int64_t want = std::max(ledger_share_, ledger_cores_ / std::max<int64_t>(1, busy));
+  if (want < at::get_num_threads()) {
+    at::set_num_threads(static_cast<int>(want));
+    ++narrowed_;
+  }
+}
+
 torch::Tensor DecodeModel::forward(torch::Tensor h, torch::Tensor positions,
                                    torch::Tensor kv_cache, torch::Tensor block_table,
                                    torch::Tensor lens, torch::Tensor slot_blocks,
@@ -214,6 +255,7 @@ torch::Tensor DecodeModel::forward(torch::Tensor h, torch::Tensor positions,
   float* xp = x.data_ptr<float>();
   for (size_t li = 0; li < layers_.size(); ++li) {
     const Layer& L = layers_[li];
+    narrow_to_ledger();
     rms_norm(hp, L.ln_attn.data_ptr<float>(), xp, B, hidden, eps_);
     torch::Tensor qkv = linear(L.qkv, x);
     float* qkvp = qkv.data_ptr<float>();

@@ -42,10 +42,22 @@ class DecodeModel {
   };
   DecodeModel(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter, double eps,
               torch::Tensor cos, torch::Tensor sin, torch::Tensor norm);
+  ~DecodeModel();
+  DecodeModel(const DecodeModel&) = delete;
+  DecodeModel& operator=(const DecodeModel&) = delete;
   void add_layer(py::dict layer);
   torch::Tensor forward(torch::Tensor h, torch::Tensor positions, torch::Tensor kv_cache,
                         torch::Tensor block_table, torch::Tensor lens, torch::Tensor slot_blocks,
                         torch::Tensor slot_offsets);
+  // Before each layer, narrow torch's threads to what the host's core ledger allows now
+  // (engine/core_share.py: the busy bytes of `slots` workers from byte `first` of the file at
+  // `path`, `cores` over them, never below `share`), so a step begun wide while the other
+  // workers idled gives their cores back within a layer of one of them waking. Never widens
+  // (a step that began narrow stays so: its time is a step-cost sample). `narrowed` counts the
+  // narrowings.
+  void share_cores(const std::string& path, int64_t first, int64_t slots, int64_t cores,
+                   int64_t share);
+  int64_t narrowed() const { return narrowed_; }
   // The prompt path's RoPE (in place) and silu(gate) * up, with this model's tables.
   void rope_rows_(torch::Tensor qkv, torch::Tensor positions) const;
   torch::Tensor silu_mul_rows(torch::Tensor gu) const;
@@ -55,6 +67,11 @@ class DecodeModel {
   float eps_;
   torch::Tensor cos_, sin_, norm_;
   std::vector<Layer> layers_;
+  const volatile uint8_t* ledger_ = nullptr;  // the ledger file, mapped read-only
+  size_t ledger_len_ = 0;
+  int64_t ledger_first_ = 0, ledger_slots_ = 0, ledger_cores_ = 1, ledger_share_ = 1;
+  int64_t narrowed_ = 0;
+  void narrow_to_ledger();
 };
 
 }  // namespace kvpool
