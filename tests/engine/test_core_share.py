@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -240,3 +241,52 @@ def test_a_ledger_too_short_for_its_slots_is_refused_by_the_fused_step(tiny_engi
         fused.share_cores(str(path), HEADER.size, 4, 2, 1)
     with pytest.raises(RuntimeError, match="cannot open"):
         fused.share_cores(str(tmp_path / "none"), HEADER.size, 2, 2, 1)
+
+
+def test_ledgers_nobody_holds_are_swept_by_the_next_creator(tmp_path):
+    """A ``kvpool serve`` killed with SIGKILL cannot unlink its ledger: the next one created in
+    that directory removes every ledger no process holds a lock on, and only those."""
+    from kvpool.engine.core_share import release_ledger, sweep_stale
+
+    code = textwrap.dedent(f"""
+        import os, sys
+        from kvpool.engine.core_share import CoreLedger, create_ledger
+        path = create_ledger(2, 2, {str(tmp_path)!r})
+        if sys.argv[1] == "open":
+            CoreLedger(path, 1, 1)  # a worker still running
+        print(path, flush=True)
+        if sys.argv[1] == "open":
+            input()
+        os.kill(os.getpid(), 9)  # killed: nothing unlinks it
+    """)
+    dead = subprocess.run([sys.executable, "-c", code, "dead"], capture_output=True, text=True,
+                          timeout=60).stdout.strip()  # fmt: skip
+    live = subprocess.Popen([sys.executable, "-c", code, "open"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        held = live.stdout.readline().strip()
+        ours = create_ledger(2, 2, str(tmp_path))  # sweeps first
+        other = tmp_path / "kvpool-cores-notes.txt"  # not a name create_ledger gives
+        other.write_text("keep")
+        names = {p.name for p in tmp_path.iterdir()}
+        assert Path(dead).name not in names  # its process died: swept
+        assert {Path(held).name, ours.name, other.name} <= names  # in use, or not a ledger
+        release_ledger(ours)
+        assert sweep_stale(str(tmp_path)) == 1 and not ours.exists()  # ours, released
+        live.stdin.write("\n")
+        live.stdin.flush()
+        live.wait(30)
+        assert sweep_stale(str(tmp_path)) == 1 and not Path(held).exists()
+        assert other.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    finally:
+        if live.poll() is None:
+            live.kill()
+
+
+def test_a_worker_that_creates_the_ledger_by_hand_keeps_it_held(tmp_path):
+    from kvpool.engine.core_share import open_ledger, sweep_stale
+
+    a = open_ledger(tmp_path / "kvpool-cores-1-0123abcd", 0, 1, slots=2)  # a swept-like name
+    assert sweep_stale(str(tmp_path)) == 0  # the worker holds it
+    a.close()
+    assert sweep_stale(str(tmp_path)) == 1

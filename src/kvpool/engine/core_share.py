@@ -14,13 +14,17 @@ slowest steps 3x those of one thread). So two workers overlap by at most one lay
 
 The file's layout (little-endian): magic ``KVPC``, version (u16), slots (u16), cores (u32),
 then one byte per slot. A worker whose process dies while busy leaves its byte at 1: the others
-then keep their shares, as without the ledger.
+then keep their shares, as without the ledger. Every process that created or opened a ledger
+holds a shared ``flock`` on it; a new ledger's creator first removes the ones nobody holds (a
+``kvpool serve`` killed with SIGKILL could not unlink its own).
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
+import re
 import struct
 import tempfile
 import uuid
@@ -42,19 +46,66 @@ def host_cores() -> int:
         return os.cpu_count() or 1
 
 
+NAME = re.compile(r"kvpool-cores-\d+-[0-9a-f]{8}")  # the files ``create_ledger`` names
+_held: dict[str, int] = {}  # path -> fd: ledgers this process created, locked until released
+
+
 def create_ledger(slots: int, cores: int, directory: str | None = None) -> Path:
     """A new ledger file for ``slots`` workers over ``cores`` cores, every worker idle (in
-    ``/dev/shm`` where it exists: the file is read before every step)."""
+    ``/dev/shm`` where it exists: the file is read before every step). This process holds a
+    shared lock on it until ``release_ledger`` (or its exit), as each worker does while it has
+    it open: ledgers nobody holds any more (their ``kvpool serve`` was killed with SIGKILL) are
+    removed here first (``sweep_stale``)."""
     if not 1 <= slots <= MAX_SLOTS or cores < 1:
         raise ValueError(f"a core ledger needs 1-{MAX_SLOTS} slots and >= 1 core")
     where = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-    path = Path(where) / f"kvpool-cores-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
+    sweep_stale(where)
+    name = f"kvpool-cores-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    aside, path = Path(where) / f".{name}", Path(where) / name
+    fd = os.open(aside, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:  # locked before its name can be swept
+        fcntl.flock(fd, fcntl.LOCK_SH)
         os.write(fd, HEADER.pack(MAGIC, VERSION, slots, cores) + bytes(slots))
-    finally:
+        os.rename(aside, path)
+    except BaseException:
         os.close(fd)
+        aside.unlink(missing_ok=True)
+        raise
+    _held[str(path)] = fd
     return path
+
+
+def release_ledger(path: str | os.PathLike) -> None:
+    """Drop this process's lock on a ledger it created (unlinked or handed over)."""
+    fd = _held.pop(str(path), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def sweep_stale(directory: str) -> int:
+    """Remove the ledgers ``create_ledger`` named in ``directory`` that no process holds (every
+    process that created or opened one keeps a shared lock on it); returns how many."""
+    removed = 0
+    try:
+        entries = [e.path for e in os.scandir(directory) if NAME.fullmatch(e.name)]
+    except OSError:
+        return 0
+    for path in entries:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:  # gone already, or another user's
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held, now = os.fstat(fd), os.stat(path)
+            if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
+                os.unlink(path)
+                removed += 1
+        except OSError:  # locked: in use (or gone meanwhile)
+            pass
+        finally:
+            os.close(fd)
+    return removed
 
 
 def open_ledger(path: str | os.PathLike, slot: int, share: int, slots: int = 0) -> CoreLedger:
@@ -63,6 +114,7 @@ def open_ledger(path: str | os.PathLike, slot: int, share: int, slots: int = 0) 
     linked into place, so a worker starting at the same moment sees the whole file or none and
     the first creator wins. A ledger of another slot count is refused."""
     path = Path(path)
+    made = None
     if slots > 0 and not path.exists():
         made = create_ledger(slots, host_cores(), str(path.parent))
         try:
@@ -71,7 +123,11 @@ def open_ledger(path: str | os.PathLike, slot: int, share: int, slots: int = 0) 
             pass
         finally:
             made.unlink()
-    ledger = CoreLedger(path, slot, share)
+    try:
+        ledger = CoreLedger(path, slot, share)
+    finally:
+        if made is not None:
+            release_ledger(made)  # the worker's own lock holds the file from here
     if slots > 0 and ledger.slots != slots:
         ledger.close()
         raise ValueError(f"{path}: a ledger of {ledger.slots} slots, not {slots}")
@@ -83,6 +139,20 @@ class CoreLedger:
     queue empties."""
 
     def __init__(self, path: str | os.PathLike, slot: int, share: int) -> None:
+        self._lock = os.open(path, os.O_RDONLY)  # shared: the file is in use (``sweep_stale``)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_SH)
+            self._open(path, slot)
+        except BaseException:
+            os.close(self._lock)
+            raise
+        self.path = Path(path)
+        self.share = max(1, share)  # the threads the worker has when every worker is busy
+        self.threads = self.share
+        self.widened_steps = 0  # steps run on more threads than the share
+        self.step_wide = False  # the current step ran on more threads than the share, so far
+
+    def _open(self, path: str | os.PathLike, slot: int) -> None:
         with open(path, "r+b") as f:
             head = f.read(HEADER.size)
             if len(head) != HEADER.size:
@@ -93,12 +163,7 @@ class CoreLedger:
             if not 0 <= slot < slots or os.fstat(f.fileno()).st_size != HEADER.size + slots:
                 raise ValueError(f"{path}: slot {slot} outside its {slots} slots, or bad size")
             self._map = mmap.mmap(f.fileno(), HEADER.size + slots)
-        self.path = Path(path)
         self.slots, self.cores, self.slot = slots, cores, HEADER.size + slot
-        self.share = max(1, share)  # the threads the worker has when every worker is busy
-        self.threads = self.share
-        self.widened_steps = 0  # steps run on more threads than the share
-        self.step_wide = False  # the current step ran on more threads than the share, so far
 
     def attach(self, model) -> None:
         """Have ``model`` (a ``LlamaModel``) ask the ledger between the layers of its steps."""
@@ -140,3 +205,4 @@ class CoreLedger:
         if not self._map.closed:
             self._map[self.slot] = 0
             self._map.close()
+            os.close(self._lock)

@@ -182,7 +182,10 @@ def launch(cluster: ClusterConfig, token: str | None) -> int:
         for child in reversed(children):
             child.stop()
         if ledger is not None:
+            from kvpool.engine.core_share import release_ledger
+
             ledger.unlink(missing_ok=True)
+            release_ledger(ledger)
         print("kvpool serve: stopped", flush=True)
     return 0
 
