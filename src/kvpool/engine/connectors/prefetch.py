@@ -24,11 +24,14 @@ logger = logging.getLogger(__name__)
 
 MAX_VIEW_ENTRIES = 1 << 20
 MAX_HINTS = 4096  # arrival lookups queued at once
-# The lookup and load threads' default nice value: the engine's own priority. At nice 5 the
-# compute went first and a load took what was left of busy cores: bench_overlap.py measured
-# (two 21-round runs, 2 cores) the loaded requests' first token 1.40x and 1.68x later for a
-# streams' TBT p99 only 1.02x and 1.07x better.
-BACKGROUND_NICE = 0
+# The lookup and load threads' default nice value: the engine's compute goes first and a load
+# takes what is left of busy cores. While the kernels held the GIL through a decode step, the
+# loads ran only between steps and their priority hardly mattered to the streams (two 21-round
+# runs of bench_overlap.py: TBT p99 1.02x and 1.07x better at nice 5, first tokens 1.40x and
+# 1.68x later), so it was 0. Now that the loads run during the steps, at equal priority their
+# thread takes a core from the step's two and every barrier waits for it: TBT p99 93.9 ms at
+# nice 0 against 47.9 at nice 5 (docs/benchmarks.md).
+BACKGROUND_NICE = 5
 
 
 def _yield_cpu(nice: int = BACKGROUND_NICE) -> None:
