@@ -79,6 +79,25 @@ def counters(url: str) -> dict[str, dict]:
     return {w["id"]: w["counters"] for w in cluster_doc(url)["workers"]}
 
 
+def saved_settled(url: str, before: dict[str, dict], timeout: float = 30.0) -> None:
+    """Wait until the prefill workers saved more than ``before`` and stopped (two looks 0.5 s
+    apart, as the conductor's status polls report them)."""
+
+    def saved() -> float:
+        now = counters(url)
+        return sum(now[w]["pool_saved_bytes"] - before[w]["pool_saved_bytes"]
+                   for w in ("prefill-1", "prefill-2"))  # fmt: skip
+
+    deadline, last = time.monotonic() + timeout, -1.0
+    while time.monotonic() < deadline:
+        now = saved()
+        if now > 0 and now == last:
+            return
+        last = now
+        time.sleep(0.5)
+    raise AssertionError(f"the prefill workers' saves did not settle in {timeout} s ({last} B)")
+
+
 def chat(client, messages, **kw):
     return client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
                                           max_tokens=24, **kw)  # fmt: skip
@@ -115,13 +134,16 @@ def test_prefix_computed_on_one_prefill_worker_is_loaded_by_the_other(cluster, c
     before = counters(url)
     shared = "Background: " + "the river flows north through the old valley. " * 40
     outs = []
-    for q in ["Where does the river flow?", "What is old?"]:  # round robin: one per worker
+    for i, q in enumerate(["Where does the river flow?", "What is old?"]):  # round robin
         outs.append(client.completions.create(model=MODEL, prompt=shared + q, max_tokens=4,
                                               temperature=0))  # fmt: skip
+        if i == 0:  # the answer does not wait for the prefill worker's saves: the test does
+            saved_settled(url, before)
     after = counters(url)
     pool_hits = {w: after[w]["prefix_hits_pool"] - before[w]["prefix_hits_pool"]
                  for w in ("prefill-1", "prefill-2")}  # fmt: skip
-    assert max(pool_hits.values()) >= 64, (pool_hits, fetch_decisions(url))  # >= 4 blocks
+    prefill = {w: after[w] for w in ("prefill-1", "prefill-2")}
+    assert max(pool_hits.values()) >= 64, (pool_hits, prefill, fetch_decisions(url))  # 4 blocks
     loaded = after["decode-1"]["pool_loaded_bytes"] - before["decode-1"]["pool_loaded_bytes"]
     assert loaded > 0
     # the decode worker read the prompts' KV straight from the prefill workers (their handles)
