@@ -24,8 +24,8 @@ logger = logging.getLogger(__name__)
 
 MAX_VIEW_ENTRIES = 1 << 20
 MAX_HINTS = 4096  # arrival lookups queued at once
-# The lookup and load threads' default nice value: the engine's compute goes first and a load
-# takes what is left of busy cores. While the kernels held the GIL through a decode step, the
+# The load thread's default nice value: the engine's compute goes first and a load takes what
+# is left of busy cores (lookups, short round trips a waiting request needs, are not lowered). While the kernels held the GIL through a decode step, the
 # loads ran only between steps and their priority hardly mattered to the streams (two 21-round
 # runs of bench_overlap.py: TBT p99 1.02x and 1.07x better at nice 5, first tokens 1.40x and
 # 1.68x later), so it was 0. Now that the loads run during the steps, at equal priority their
@@ -120,7 +120,7 @@ class Prefetcher:
     blocks and returns how many leading ones loaded (both run on this object's threads and
     report failures by raising or returning short). ``max_loads``: loads queued or running at
     once (more: the scheduler is told to ask again later). ``nice``: how much lower than the
-    engine's the two threads' CPU priority is.
+    engine's the load thread's CPU priority is (lookups keep the engine's).
     """
 
     def __init__(self, exists: Callable[[list[bytes]], list],
@@ -130,7 +130,7 @@ class Prefetcher:
                  probe: Callable[[list[bytes]], int] | None = None,
                  nice: int = BACKGROUND_NICE) -> None:  # fmt: skip
         self._exists = exists
-        self._nice = nice  # the lookup and load threads' priority (see ``_yield_cpu``)
+        self._nice = nice  # the load thread's priority (see ``_yield_cpu``)
         self._load = load
         self._on_loaded = on_loaded  # (blocks asked, seconds, tier) of each load that ran
         self._probe = probe  # reads blocks (by hash) into scratch memory: how many it read
@@ -260,7 +260,8 @@ class Prefetcher:
     # -- threads ------------------------------------------------------------------------------
 
     def _lookup_loop(self) -> None:
-        _yield_cpu(self._nice)
+        # not lowered: a lookup is one short round trip that a waiting request needs (past
+        # ``lookup_wait`` it computes its prompt), while a load streams megabytes
         while True:
             item = self._lookups.get()
             if item is None:
