@@ -228,7 +228,7 @@ class Conductor(VllmCalls):
                 self.metrics.on_decode.labels(route.on_decode).inc()
             dec = self.cluster.worker(route.decode.worker_id)
             if dec is not None and dec.backend is not None:  # a vLLM server: the client's body
-                response = await self._to_vllm(request, route, raw, parsed, info, t0, flight)
+                response = await self._to_vllm(request, route, raw, parsed, t0, flight)
                 return response
             url = f"http://{self._http_of(route.decode.worker_id)}/internal/generate"
             # the prompt it computes itself is queue time for the next requests routed there

@@ -66,8 +66,8 @@ class VllmCalls:
     """The conductor's calls to vLLM servers (a mixin of ``Conductor``: it uses its cluster,
     HTTP client, relay, metrics, ``prefill_timeout`` and ``prefill_wait``)."""
 
-    async def _to_vllm(self, request: Request, route, raw: bytes, parsed,
-                       info: RequestInfo, t0: float, flight: Flight) -> Response:  # fmt: skip
+    async def _to_vllm(self, request: Request, route, raw: bytes, parsed, t0: float,
+                       flight: Flight) -> Response:  # fmt: skip
         """Relay the client's request to a vLLM server; while it has not answered, the prompt
         tokens it computes count as its queue (for routing the next requests)."""
         w = self.cluster.worker(route.decode.worker_id)
