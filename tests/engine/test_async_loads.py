@@ -16,6 +16,7 @@ from test_connector import DictConnector, generate_one
 
 from kvpool import SamplingParams
 from kvpool.engine.request import RequestStatus
+from kvpool.model.kernels import kernels
 
 
 class GatedConnector(DictConnector):
@@ -72,6 +73,7 @@ def prompt_of(seed, n):
 
 
 SP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+kern = kernels()  # the engines' kernel module (None where it cannot be built)
 
 
 @pytest.fixture
@@ -123,12 +125,15 @@ def test_other_requests_decode_while_a_prefix_loads(warm_store, tiny_engine_fact
     before = len(other.output_token_ids)
     for _ in range(5):
         eng.step()  # the gate is shut: only "other" can advance
+        # a load in flight: the kernels let the load thread run during the step
+        assert kern is None or kern.release_gil()
     assert len(other.output_token_ids) == before + 5
     assert eng.status is not status and eng.status.step == status.step + 5
     assert status.running == 1  # a published status never changes
     assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS and not req.output_token_ids
     conn.gate.set()
     outs = step_until(eng, lambda: not eng.has_unfinished_requests())
+    assert kern is None or not kern.release_gil()  # the last steps loaded nothing
     assert outs["loads"].outputs[0].token_ids == cold
     assert outs["loads"].num_cached_tokens == 40  # 10 blocks of 4 loaded, last token computed
     assert eng.scheduler.stats.loads_started == 1 and conn.loaded == 10

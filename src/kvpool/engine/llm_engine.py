@@ -116,6 +116,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sched, self.kv_manager, self.connector)
         kernels = paged_kernels() if config.use_kernels else None
         self.runner = ModelRunner(self.model, self.kv_cache, bs, kernels)
+        self._kernels = kernels  # its GIL policy is set before each step (_step)
         self.output = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}  # by request id (a request's first sequence)
         self._child_ids: set[str] = set()  # ids reserved for the other sequences of requests
@@ -263,6 +264,11 @@ class LLMEngine:
                 if self.scheduler.loading:
                     self.load_stall_seconds += time.perf_counter() - t0
             return []
+        if self._kernels is not None:
+            # the kernels let go of the GIL only while loads are in flight, for the load
+            # thread to run during the step; otherwise the process's other threads would take
+            # a core from the step's OpenMP team mid-step (kernels/bindings.cpp)
+            self._kernels.set_release_gil(bool(self.scheduler.loading))
         t0 = time.perf_counter()
         try:
             result = self.runner.execute(sched.chunks, sched.copies)

@@ -1,20 +1,71 @@
 // The Python module: kvpool.model.kernels loads it as one extension.
 #include "kernels.h"
 
-// The kernels run without the GIL (they touch no Python object): a worker's other threads (its
-// background KV loads and saves, its RPC servers) run while a step computes.
+#include <atomic>
+#include <utility>
+
+namespace {
+
+// Whether the kernels run without the GIL (they touch no Python object). Released, a worker's
+// other threads run while a step computes: its background KV loads go on during decode steps
+// (benchmarks/bench_overlap.py). But on a host whose cores the steps already fill, those
+// threads (the server's event loop, RPCs, saves) then take a core from a step's OpenMP team
+// mid-step and its barriers wait for them: under a load generator with no loads, serving ran
+// ~10 % slower released than held (docs/benchmarks.md). So the engine releases it only for
+// steps while loads are in flight (set_release_gil, llm_engine.py); the default, for other
+// callers, is released.
+std::atomic<bool> release_gil{true};
+
+template <typename R, typename... A>
+auto gil_policy(R (*f)(A...)) {
+  return [f](A... a) -> R {
+    if (release_gil.load(std::memory_order_relaxed)) {
+      py::gil_scoped_release unlocked;
+      return f(std::move(a)...);
+    }
+    return f(std::move(a)...);
+  };
+}
+
+template <typename R, typename C, typename... A>
+auto gil_policy(R (C::*f)(A...)) {
+  return [f](C& c, A... a) -> R {
+    if (release_gil.load(std::memory_order_relaxed)) {
+      py::gil_scoped_release unlocked;
+      return (c.*f)(std::move(a)...);
+    }
+    return (c.*f)(std::move(a)...);
+  };
+}
+
+template <typename R, typename C, typename... A>
+auto gil_policy(R (C::*f)(A...) const) {
+  return [f](const C& c, A... a) -> R {
+    if (release_gil.load(std::memory_order_relaxed)) {
+      py::gil_scoped_release unlocked;
+      return (c.*f)(std::move(a)...);
+    }
+    return (c.*f)(std::move(a)...);
+  };
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  using nogil = py::call_guard<py::gil_scoped_release>;
-  m.def("paged_decode_attention", &kvpool::paged_decode_attention,
-        "decode attention over a paged block-major KV cache", nogil());
-  m.def("qlinear", &kvpool::qlinear, "x . W^T over 32-block quantized weights (q4 / q8)",
+  m.def("set_release_gil", [](bool on) { release_gil.store(on, std::memory_order_relaxed); },
+        "whether the kernels run without the GIL from now on (default: yes)", py::arg("on"));
+  m.def("release_gil", [] { return release_gil.load(std::memory_order_relaxed); },
+        "whether the kernels run without the GIL");
+  m.def("paged_decode_attention", gil_policy(&kvpool::paged_decode_attention),
+        "decode attention over a paged block-major KV cache");
+  m.def("qlinear", gil_policy(&kvpool::qlinear), "x . W^T over 32-block quantized weights (q4 / q8)",
         py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("out") = py::none(),
         py::arg("portable") = false, py::arg("wide") = true,
         py::arg("lanes_from") = kvpool::LANES_FROM, py::arg("packed") = py::none(),
-        py::arg("act8") = false, nogil());
-  m.def("gemv_pack", &kvpool::gemv_pack,
+        py::arg("act8") = false);
+  m.def("gemv_pack", gil_policy(&kvpool::gemv_pack),
         "weights repacked for the few-row kernel (empty where it does not run)", py::arg("qs"),
-        py::arg("q4"), nogil());
+        py::arg("q4"));
   m.attr("GEMV_ROWS") = kvpool::GEMV_ROWS;
   m.def("has_avx2", &kvpool::has_avx2, "whether the quantized kernel's AVX2 path is built in");
   m.def("has_avx512", &kvpool::has_avx512,
@@ -23,10 +74,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor,
                     torch::Tensor>())
       .def("add_layer", &kvpool::DecodeModel::add_layer)
-      .def("forward", &kvpool::DecodeModel::forward, nogil())
+      .def("forward", gil_policy(&kvpool::DecodeModel::forward))
       .def("share_cores", &kvpool::DecodeModel::share_cores, py::arg("path"), py::arg("first"),
            py::arg("slots"), py::arg("cores"), py::arg("share"))
       .def_property_readonly("narrowed", &kvpool::DecodeModel::narrowed)
-      .def("rope_rows_", &kvpool::DecodeModel::rope_rows_, nogil())
-      .def("silu_mul_rows", &kvpool::DecodeModel::silu_mul_rows, nogil());
+      .def("rope_rows_", gil_policy(&kvpool::DecodeModel::rope_rows_))
+      .def("silu_mul_rows", gil_policy(&kvpool::DecodeModel::silu_mul_rows));
 }
