@@ -25,12 +25,13 @@ logger = logging.getLogger(__name__)
 MAX_VIEW_ENTRIES = 1 << 20
 MAX_HINTS = 4096  # arrival lookups queued at once
 # The load thread's default nice value: the engine's compute goes first and a load takes what
-# is left of busy cores (lookups, short round trips a waiting request needs, are not lowered). While the kernels held the GIL through a decode step, the
-# loads ran only between steps and their priority hardly mattered to the streams (two 21-round
-# runs of bench_overlap.py: TBT p99 1.02x and 1.07x better at nice 5, first tokens 1.40x and
-# 1.68x later), so it was 0. Now that the loads run during the steps, at equal priority their
-# thread takes a core from the step's two and every barrier waits for it: TBT p99 93.9 ms at
-# nice 0 against 47.9 at nice 5 (docs/benchmarks.md).
+# is left of busy cores (lookups, short round trips a waiting request needs, are not lowered).
+# While the kernels held the GIL through a decode step, the loads ran only between steps and
+# their priority hardly mattered to the streams (two 21-round runs of bench_overlap.py: TBT
+# p99 1.02x and 1.07x better at nice 5, first tokens 1.40x and 1.68x later), so it was 0. Now
+# that the kernels let go of the GIL in steps with loads in flight, the loads run during those
+# steps, and at equal priority their thread takes a core from the step's two and every
+# barrier waits for it: TBT p99 93.9 ms at nice 0 against 47.9 at nice 5 (docs/benchmarks.md).
 BACKGROUND_NICE = 5
 
 

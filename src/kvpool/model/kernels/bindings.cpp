@@ -16,36 +16,31 @@ namespace {
 // callers, is released.
 std::atomic<bool> release_gil{true};
 
+// call() without the GIL while release_gil is set, else holding it.
+template <typename F>
+auto under_policy(F&& call) {
+  if (release_gil.load(std::memory_order_relaxed)) {
+    py::gil_scoped_release unlocked;
+    return call();
+  }
+  return call();
+}
+
+// A function or method bound under that policy.
 template <typename R, typename... A>
 auto gil_policy(R (*f)(A...)) {
-  return [f](A... a) -> R {
-    if (release_gil.load(std::memory_order_relaxed)) {
-      py::gil_scoped_release unlocked;
-      return f(std::move(a)...);
-    }
-    return f(std::move(a)...);
-  };
+  return [f](A... a) -> R { return under_policy([&] { return f(std::move(a)...); }); };
 }
 
 template <typename R, typename C, typename... A>
 auto gil_policy(R (C::*f)(A...)) {
-  return [f](C& c, A... a) -> R {
-    if (release_gil.load(std::memory_order_relaxed)) {
-      py::gil_scoped_release unlocked;
-      return (c.*f)(std::move(a)...);
-    }
-    return (c.*f)(std::move(a)...);
-  };
+  return [f](C& c, A... a) -> R { return under_policy([&] { return (c.*f)(std::move(a)...); }); };
 }
 
 template <typename R, typename C, typename... A>
 auto gil_policy(R (C::*f)(A...) const) {
   return [f](const C& c, A... a) -> R {
-    if (release_gil.load(std::memory_order_relaxed)) {
-      py::gil_scoped_release unlocked;
-      return (c.*f)(std::move(a)...);
-    }
-    return (c.*f)(std::move(a)...);
+    return under_policy([&] { return (c.*f)(std::move(a)...); });
   };
 }
 
