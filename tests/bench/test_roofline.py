@@ -12,6 +12,7 @@ from kvpool.model.kernels import kernels
 from kvpool.model.kv_quant import row_width
 from kvpool.model.linear import BlockLinear
 from kvpool.model.llama import LlamaModel
+from kvpool.model.machine import CURVE_BYTES
 
 
 def limits(**kw):
@@ -51,6 +52,26 @@ def test_analyze_finds_the_binding_ceiling():
     assert limits().block_rate(4) == 20.0 and limits().block_rate(64) == 40.0
 
 
+def test_the_bandwidth_ceiling_is_the_one_at_the_steps_bytes():
+    # a working set that fits in the caches reads faster than memory: the ceiling follows
+    curve = {16 << 20: 60.0, 64 << 20: 50.0, 256 << 20: 20.0}
+    lim = limits(read_gbps=25.0, read_curve=curve)
+    assert lim.read_ceiling(8 << 20) == 60.0  # below the curve: its first point
+    assert lim.read_ceiling(40 << 20) == pytest.approx(55.0)  # between points: interpolated
+    assert lim.read_ceiling(200 << 20) == pytest.approx(28.75)
+    assert lim.read_ceiling(240 << 20) == 25.0  # the curve (22.5) below memory's: memory's
+    assert lim.read_ceiling(1 << 30) == 25.0  # beyond the curve: memory
+    assert limits().read_ceiling(1 << 20) == 10.0  # no curve measured: memory
+    cost = rl.StepCost(weight_bytes=40 << 20, kv_bytes=0, flops=1.0, block_flops=0)
+    row = rl.analyze(lim, cost, batch=1, context=10, step_s=(40 << 20) / 27.5e9)
+    assert row.read_gbps == pytest.approx(55.0) and row.bound == "bandwidth"
+    assert row.bandwidth_share == pytest.approx(0.5) and row.share == pytest.approx(0.5)
+    assert row.memory_share == pytest.approx(27.5 / 25.0)
+    # a probe measured beside the step wins over the curve, never below memory's
+    assert rl.analyze(lim, cost, 1, 10, 0.01, read_gbps=30.0).read_gbps == 30.0
+    assert rl.analyze(lim, cost, 1, 10, 0.01, read_gbps=5.0).read_gbps == 25.0
+
+
 def test_machine_limits_are_measured_once_then_cached(tmp_path, monkeypatch):
     from kvpool.model import machine
 
@@ -70,6 +91,8 @@ def test_machine_limits_are_measured_once_then_cached(tmp_path, monkeypatch):
 def test_measure_machine_gives_positive_figures():
     m = rl.measure_machine(kernels())
     assert m.read_gbps > 0 and m.copy_gbps > 0 and m.gemm_gflops > 0
+    assert sorted(m.read_curve) == sorted(CURVE_BYTES)
+    assert min(m.read_curve.values()) > 0
     if kernels() is not None:
         assert set(m.block_gops) >= {1, 64} and min(m.block_gops.values()) > 0
 
@@ -108,6 +131,9 @@ def test_roofline_command_on_the_real_model_with_the_pool(tmp_path):
         # each round has its own bandwidth probe; of two, the row is the lower share's round
         shares = [x["share"] for x in r["rounds"]]
         assert len(shares) == 2 and all(x["read_gbps"] > 0 for x in r["rounds"])
+        # each against the bandwidth at its step's bytes, never below memory's
+        assert all(x["working_set_gbps"] >= x["read_gbps"] for x in r["rounds"])
+        assert r["bandwidth_share"] <= r["memory_share"]
         assert r["share"] == min(shares)
         assert r["step_s"] == r["rounds"][shares.index(min(shares))]["step_s"]
     for s in report["kv_sources"]:  # the second pass read its prompts' blocks from the pool

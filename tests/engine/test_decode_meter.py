@@ -33,6 +33,19 @@ def test_figures_of_a_step_and_their_moving_average(model):
     assert meter.steps == 2
 
 
+def test_a_step_that_fits_in_the_caches_is_measured_against_their_bandwidth(model):
+    weights = step_cost(model, 1, 0).weight_bytes
+    kv = 10 * kv_bytes_per_token(model)
+    # reads of a working set up to twice the step's bytes run at 40 GB/s, from memory at 10
+    curve = {2 * (weights + kv): 40.0, 100 * (weights + kv): 12.0}
+    limits = MachineLimits("test", 2, 10.0, 8.0, 50.0, read_curve=curve)
+    meter = DecodeMeter(model, limits)
+    meter.observe(1, 10, 0.001)
+    f = meter.figures
+    assert f.limit_bytes_per_s == pytest.approx(40e9)
+    assert f.share == pytest.approx(f.bytes_per_s / 40e9)
+
+
 def test_without_known_limits_only_achieved_figures(model):
     meter = DecodeMeter(model, None)
     meter.observe(1, 10, 0.005)

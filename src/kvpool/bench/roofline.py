@@ -4,7 +4,9 @@ can move and compute, and what the engine achieves (``kvpool roofline``).
 A decode step streams every weight the step's path reads (block weights at small batches, the
 float32 ones above ``small_rows``: ``model/weight_formats.py``) plus the KV of every running
 request, and does ``2 * weights * batch`` multiply-adds plus attention. Dividing by the
-machine's measured read bandwidth and GEMM rate gives two ceilings on tokens per second; the
+machine's measured read bandwidth and GEMM rate gives two ceilings on tokens per second (the
+bandwidth at the step's own bytes, read again and again: on a CPU whose last-level cache holds
+the model, steps read it from there, faster than from memory); the
 lower one is the bound that applies. The achieved rate's share of it says how close the engine
 comes; a share far below both ceilings means the step is spent on neither (scheduling,
 dispatch, synchronization).
@@ -40,7 +42,9 @@ class RooflineRow:
     compute_ceiling_tok_s: float
     bound: str  # "bandwidth" | "compute"
     share: float  # achieved tokens/s over the binding ceiling
-    bandwidth_share: float  # achieved bytes/s over the read bandwidth
+    bandwidth_share: float  # achieved bytes/s over the read bandwidth at the step's bytes
+    read_gbps: float  # that bandwidth: the bandwidth ceiling's
+    memory_share: float  # achieved bytes/s over the read bandwidth from memory (the far probe)
 
     @property
     def verdict(self) -> str:
@@ -48,8 +52,12 @@ class RooflineRow:
 
 
 def analyze(limits: MachineLimits, cost: StepCost, batch: int, context: int,
-            step_s: float) -> RooflineRow:  # fmt: skip
-    bw_time = cost.bytes / (limits.read_gbps * 1e9)
+            step_s: float, read_gbps: float | None = None) -> RooflineRow:  # fmt: skip
+    """The step's row: ``read_gbps`` is the machine's read bandwidth over a working set of the
+    step's bytes (measured beside it), else ``limits.read_ceiling`` of them; never below the
+    bandwidth from memory."""
+    bw = max(limits.read_gbps, read_gbps or limits.read_ceiling(cost.bytes))
+    bw_time = cost.bytes / (bw * 1e9)
     dense_flops = cost.flops - cost.block_flops
     compute_time = dense_flops / (limits.gemm_gflops * 1e9)
     if cost.block_flops:
@@ -60,6 +68,7 @@ def analyze(limits: MachineLimits, cost: StepCost, batch: int, context: int,
     return RooflineRow(batch, context, step_s, cost.weight_bytes / 1e6, cost.kv_bytes / 1e6,
                        cost.bytes / step_s / 1e9, tok_s, bw_ceiling, compute_ceiling, bound,
                        tok_s / min(bw_ceiling, compute_ceiling),
+                       cost.bytes / step_s / 1e9 / bw, bw,
                        cost.bytes / step_s / 1e9 / limits.read_gbps)  # fmt: skip
 
 
@@ -90,8 +99,9 @@ def plot(rows: list[RooflineRow], limits: MachineLimits, title: str, path: Path)
 
     b = [r.batch for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    lo, hi = min(r.read_gbps for r in rows), max(r.read_gbps for r in rows)
     ax.plot(b, [r.bandwidth_ceiling_tok_s for r in rows], "--", label=f"bandwidth ceiling "
-            f"({limits.read_gbps:.1f} GB/s)")  # fmt: skip
+            f"(at each step's bytes: {lo:.1f}-{hi:.1f} GB/s; memory {limits.read_gbps:.1f})")  # fmt: skip
     ax.plot(b, [r.compute_ceiling_tok_s for r in rows], ":", label="compute ceiling")
     ax.plot(b, [r.tok_s for r in rows], "o-", label="achieved")
     for r in rows:

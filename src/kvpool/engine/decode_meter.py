@@ -5,7 +5,8 @@ After each step made only of decodes, ``observe(batch, context_tokens, seconds)`
 the step moved (the weights its path read for that batch, ``model/step_cost.py``, plus the KV
 of every sequence), the bandwidth that makes (a moving average over recent steps), and, when
 this machine's limits were measured (``kvpool roofline`` caches them; a server never measures
-on its own), that bandwidth's share of the machine's and the bandwidth ceiling on tokens/s.
+on its own), that bandwidth's share of the machine's (at the step's bytes: a working set that
+fits in the caches reads faster than memory) and the bandwidth ceiling on tokens/s.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class DecodeFigures:
     kv_bytes: int
     bytes_per_s: float  # achieved, moving average
     tokens_per_s: float  # moving average
-    limit_bytes_per_s: float | None  # the machine's read bandwidth, when known
+    limit_bytes_per_s: float | None  # the machine's read bandwidth at the step's bytes, if known
     share: float | None  # bytes_per_s over it
     ceiling_tokens_per_s: float | None  # the last step's batch over its bytes at that limit
 
@@ -33,7 +34,7 @@ class DecodeFigures:
 class DecodeMeter:
     def __init__(self, model, limits: MachineLimits | None) -> None:
         self.model = model
-        self.limit = limits.read_gbps * 1e9 if limits is not None else None
+        self.limits = limits
         self.per_token = kv_bytes_per_token(model)
         self._weights: dict[int, int] = {}  # batch -> weight bytes its path reads
         self._bps = self._tps = 0.0
@@ -54,7 +55,8 @@ class DecodeMeter:
         self._bps = bps if first else ALPHA * bps + (1 - ALPHA) * self._bps
         self._tps = tps if first else ALPHA * tps + (1 - ALPHA) * self._tps
         self.steps += 1
-        limit = self.limit
+        # the machine's read bandwidth at this step's bytes (cache-resident where they fit)
+        limit = self.limits.read_ceiling(wb + kv) * 1e9 if self.limits is not None else None
         self.figures = DecodeFigures(
             batch, wb, kv, self._bps, self._tps, limit,
             self._bps / limit if limit else None,

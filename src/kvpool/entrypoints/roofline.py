@@ -2,10 +2,12 @@
 
 Measures the read and copy bandwidth and the GEMM rates (cached per CPU, ``--fresh`` to
 measure again), then runs decode steps of the engine at each batch size and prints, per batch:
-the bytes a step moves (weights and KV), the bandwidth achieved and its share of the machine's,
-both ceilings on tokens/s, the bound that applies and how close the engine comes. It runs
-every batch ``--rounds`` times, each round beside a fresh probe of the read bandwidth (a shared
-VM's drifts by tens of percent within minutes): each share is against its own round's probe,
+the bytes a step moves (weights and KV), the bandwidth achieved and its share of the machine's
+read bandwidth over a working set of those bytes ("ceil GB/s": where they fit in the last-level
+cache, faster than memory; "of mem": the share of the bandwidth from memory), both ceilings on
+tokens/s, the bound that applies and how close the engine comes. It runs every batch
+``--rounds`` times, each round beside fresh probes of the read bandwidth (a shared VM's drifts
+by tens of percent within minutes): each share is against its own round's probes,
 and a batch's row is its round of median share (all rounds in the JSON). Writes
 ``roofline.json`` and ``roofline.png`` (achieved against the ceilings) into ``--out``.
 With ``--master`` the engine's KV connector uses that pool: each batch runs twice, the second
@@ -67,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"machine: {limits.cpu}, {limits.threads} threads: read {limits.read_gbps:.1f} GB/s, "
           f"copy {limits.copy_gbps:.1f} GB/s, float32 GEMM {limits.gemm_gflops:.0f} GFLOP/s, "
           f"block kernel {limits.block_rate(1):.0f}-{limits.block_rate(64):.0f} GOP/s "
-          "(1-64 rows)")  # fmt: skip
+          "(1-64 rows); read over working sets of "
+          + ", ".join(f"{n >> 20} MB {g:.1f}" for n, g in sorted(limits.read_curve.items()))
+          + " GB/s")  # fmt: skip
     connector = client = None
     if args.master:
         connector, client = _pool_connector(args.master)
@@ -83,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
           f"{model.kv_format}; context {args.context} tokens")  # fmt: skip
     print(
         f"{'batch':>5} {'step ms':>8} {'weights MB':>10} {'KV MB':>7} {'GB/s':>6} "
-        f"{'of peak':>7} {'tok/s':>7} {'bw ceil':>8} {'cpu ceil':>8} {'share':>6}  bound"
+        f"{'ceil GB/s':>9} {'of ceil':>7} {'of mem':>6} {'tok/s':>7} {'bw ceil':>8} "
+        f"{'cpu ceil':>8} {'share':>6}  bound"
     )
     # a shared VM's bandwidth drifts by tens of percent within minutes: each round measures it
     # again beside its decode steps, and a share is always against its own round's probe
@@ -93,19 +98,22 @@ def run(args: argparse.Namespace) -> int:
         now = replace(limits, read_gbps=read_gbps())
         probes.append(now.read_gbps)
         for b in batches:
+            cost = rl.step_cost(model, b, args.context)
             step = rl.measure_decode(llm, b, args.context, args.new_tokens)
-            runs[b].append(rl.analyze(now, rl.step_cost(model, b, args.context), b, args.context,
-                                      step))  # fmt: skip
+            # the bandwidth over the step's own bytes (cache-resident where they fit), now
+            runs[b].append(rl.analyze(now, cost, b, args.context, step, read_gbps(cost.bytes)))
         print(f"round {r + 1}/{args.rounds}: read {now.read_gbps:.1f} GB/s, batch-{batches[0]} "
               f"share {runs[batches[0]][-1].share:.2f}", file=sys.stderr)  # fmt: skip
     rows, sources, rounds = [], [], {}
     for b in batches:
         row = sorted(runs[b], key=lambda x: x.share)[(len(runs[b]) - 1) // 2]
         rows.append(row)
-        rounds[b] = [{"step_s": x.step_s, "share": x.share, "read_gbps": gbps}
+        rounds[b] = [{"step_s": x.step_s, "share": x.share, "read_gbps": gbps,
+                      "working_set_gbps": x.read_gbps, "memory_share": x.memory_share}
                      for x, gbps in zip(runs[b], probes, strict=True)]  # fmt: skip
         print(f"{b:>5} {row.step_s * 1e3:>8.2f} {row.weight_mb:>10.1f} {row.kv_mb:>7.1f} "
-              f"{row.achieved_gbps:>6.2f} {row.bandwidth_share:>7.2f} {row.tok_s:>7.1f} "
+              f"{row.achieved_gbps:>6.2f} {row.read_gbps:>9.1f} {row.bandwidth_share:>7.2f} "
+              f"{row.memory_share:>6.2f} {row.tok_s:>7.1f} "
               f"{row.bandwidth_ceiling_tok_s:>8.1f} {row.compute_ceiling_tok_s:>8.1f} "
               f"{row.share:>6.2f}  {row.verdict}  (rounds: "
               f"{', '.join(f'{x.share:.2f}' for x in runs[b])})")  # fmt: skip

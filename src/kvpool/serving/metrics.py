@@ -134,7 +134,8 @@ _DECODE = (
     ("kvpool_decode_tokens_per_second", "Tokens per second of recent decode-only steps.",
      "tokens_per_s"),
     ("kvpool_machine_read_bandwidth_bytes_per_second",
-     "This machine's measured read bandwidth (kvpool roofline; absent until measured).",
+     "This machine's measured read bandwidth over a working set of the last decode step's bytes "
+     "(faster than memory where they fit in its caches; kvpool roofline; absent until measured).",
      "limit_bytes_per_s"),
     ("kvpool_decode_bandwidth_share",
      "Decode bandwidth over the machine's read bandwidth (0..1).", "share"),
