@@ -32,8 +32,26 @@ from common import CACHE, log
 from vllm_peer import _base_python, _run_logged, _tail
 
 LLAMACPP_SPEC = "llama-cpp-python==0.3.36"
-# CPU backend only, tuned for this CPU; no BLAS, no CUDA (nvcc may exist), no multimodal lib
-CMAKE_ARGS = "-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_BLAS=OFF -DLLAVA_BUILD=OFF"
+
+
+def _has_amx() -> bool:
+    try:
+        return " amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+# CPU backend only, tuned for this CPU; no BLAS, no CUDA (nvcc may exist), no multimodal lib.
+# Without ggml's AMX path: on the AMX Xeon of 2026-12-07 (docs/benchmarks.md) this version's
+# `ggml_backend_amx_mul_mat` crashed (SIGSEGV) on the first prompt of the SmolLM2 GGUF; built
+# without it, ggml runs its AVX-512 path (and weight repacking), as on CPUs without AMX. GCC
+# keeps an explicit -mno-* over what -march=native implies, whatever their order.
+CMAKE_ARGS = "-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_BLAS=OFF -DLLAVA_BUILD=OFF" + (
+    " '-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'"
+    " '-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'"
+    if _has_amx()
+    else ""
+)
 BUILD_JOBS = "2"
 THREADS = 2
 N_BATCH = 512
