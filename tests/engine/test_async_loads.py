@@ -106,7 +106,8 @@ def step_until(eng, cond, limit=10.0):
     raise AssertionError("condition not reached")
 
 
-def test_other_requests_decode_while_a_prefix_loads(warm_store, tiny_engine_factory):
+def test_other_requests_decode_while_a_prefix_loads(warm_store, tiny_engine_factory,
+                                                   two_threads):  # fmt: skip
     store, prompt, cold = warm_store
     conn = GatedConnector(store)
     eng = tiny_engine_factory(connector=conn)
@@ -125,8 +126,10 @@ def test_other_requests_decode_while_a_prefix_loads(warm_store, tiny_engine_fact
     before = len(other.output_token_ids)
     for _ in range(5):
         eng.step()  # the gate is shut: only "other" can advance
-        # a load in flight: the kernels let the load thread run during the step
+        # a load in flight: the kernels let the load thread run during the step, on a core
+        # the step leaves it
         assert kern is None or kern.release_gil()
+        assert torch.get_num_threads() == 1
     assert len(other.output_token_ids) == before + 5
     assert eng.status is not status and eng.status.step == status.step + 5
     assert status.running == 1  # a published status never changes
@@ -134,10 +137,34 @@ def test_other_requests_decode_while_a_prefix_loads(warm_store, tiny_engine_fact
     conn.gate.set()
     outs = step_until(eng, lambda: not eng.has_unfinished_requests())
     assert kern is None or not kern.release_gil()  # the last steps loaded nothing
+    assert torch.get_num_threads() == 2  # and ran on every thread again
     assert outs["loads"].outputs[0].token_ids == cold
     assert outs["loads"].num_cached_tokens == 40  # 10 blocks of 4 loaded, last token computed
     assert eng.scheduler.stats.loads_started == 1 and conn.loaded == 10
     assert settled_usage(eng) == 0
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_closing_while_loads_are_in_flight_gives_the_threads_back(warm_store, tiny_engine_factory,
+                                                                  two_threads):  # fmt: skip
+    store, prompt, _ = warm_store
+    conn = GatedConnector(store)
+    eng = tiny_engine_factory(connector=conn)
+    eng.add_request("other", prompt_of(12, 9), SP)
+    eng.add_request("loads", prompt, SP)
+    step_until(eng, lambda: conn.started)
+    eng.step()
+    assert torch.get_num_threads() == 1
+    conn.gate.set()
+    eng.close()
+    assert torch.get_num_threads() == 2
 
 
 def test_short_load_recomputes_the_rest(warm_store, tiny_engine_factory):

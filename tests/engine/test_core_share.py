@@ -60,6 +60,21 @@ def test_shares_are_a_floor_and_odd_counts_round_down(tmp_path):
     assert wide.begin_step() == 3 and wide.widened_steps == 0
 
 
+def test_threads_left_to_loads_come_off_the_ledgers_count(tmp_path):
+    path = create_ledger(2, 4, str(tmp_path))
+    a, b = CoreLedger(path, 0, 2), CoreLedger(path, 1, 2)
+    assert a.begin_step() == 4
+    a.leave(1)  # a load in flight: one thread fewer, at once and for the next steps
+    assert torch.get_num_threads() == 3 and a.begin_step() == 3
+    b.begin_step()
+    assert a.adjust() == 1  # below the share, which is a floor only for the ledger's count
+    a.leave(0)
+    assert a.begin_step() == 2  # b still busy: the share
+    solo = CoreLedger(create_ledger(1, 1, str(tmp_path)), 0, 1)
+    solo.leave(1)
+    assert solo.begin_step() == 1  # never fewer than one
+
+
 def test_the_ledger_is_shared_across_processes(tmp_path):
     path = create_ledger(2, 2, str(tmp_path))
     ours = CoreLedger(path, 0, 1)

@@ -149,6 +149,7 @@ class CoreLedger:
         self.path = Path(path)
         self.share = max(1, share)  # the threads the worker has when every worker is busy
         self.threads = self.share
+        self.reserve = 0  # threads left to the worker's KV loads (``leave``)
         self.widened_steps = 0  # steps run on more threads than the share
         self.step_wide = False  # the current step ran on more threads than the share, so far
 
@@ -191,11 +192,20 @@ class CoreLedger:
         between layers, so a wide prompt step narrows within a layer of another worker
         waking, and widens when the others go idle); returns them."""
         want = max(self.share, self.cores // max(1, self._busy_count()))
+        want = max(1, want - self.reserve)
         if want != torch.get_num_threads():
             torch.set_num_threads(want)
         self.threads = want
         self.step_wide = self.step_wide or want > self.share
         return want
+
+    def leave(self, threads: int) -> None:
+        """From now on, step on ``threads`` fewer threads than the ledger gives (never fewer
+        than one): the engine leaves one to its loads while they are in flight
+        (``LLMEngine.leave_core_to_loads``)."""
+        if threads != self.reserve:
+            self.reserve = max(0, threads)
+            self.adjust()
 
     def idle(self) -> None:
         """Nothing left to step: the other workers may take this one's cores."""

@@ -32,6 +32,9 @@ MAX_HINTS = 4096  # arrival lookups queued at once
 # that the kernels let go of the GIL in steps with loads in flight, the loads run during those
 # steps, and at equal priority their thread takes a core from the step's two and every
 # barrier waits for it: TBT p99 93.9 ms at nice 0 against 47.9 at nice 5 (docs/benchmarks.md).
+# Not every host scheduler keeps a nice-5 thread off busy cores (on an AMX Xeon under Linux
+# 6.18: TBT p99 134 ms at nice 5, 147 at nice 0), so the engine also steps on one thread fewer
+# while loads are in flight (``LLMEngine.leave_core_to_loads``): this thread gets a core.
 BACKGROUND_NICE = 5
 
 
