@@ -1,6 +1,7 @@
 """What this machine moves and computes: read and copy bandwidth (from memory, and over working
-sets that may fit in its caches), the float32 GEMM rate and the block kernel's rate, measured once and cached per CPU and thread count (the ceilings of the
-roofline: ``bench/roofline.py``, ``kvpool roofline``, the engine's decode figures)."""
+sets that may fit in its caches), the float32 GEMM rate and the block kernel's rate, measured
+once and cached per CPU and thread count (the ceilings of the roofline: ``bench/roofline.py``,
+``kvpool roofline``, the engine's decode figures)."""
 
 from __future__ import annotations
 
