@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from kvpool.model import hugepages
 from kvpool.model.config import ModelConfig
 from kvpool.model.kv_quant import row_width
 
@@ -24,7 +25,7 @@ def kv_shape(cfg: ModelConfig, num_blocks: int, block_size: int,
 def allocate_kv_cache(model, num_blocks: int, block_size: int) -> torch.Tensor:
     """The block-major KV tensor of ``model`` (a ``LlamaModel``: its ``kv_dtype``)."""
     shape = kv_shape(model.cfg, num_blocks, block_size, model.kv_dtype)
-    return torch.zeros(shape, dtype=model.kv_dtype)
+    return hugepages.zeros(shape, model.kv_dtype)
 
 
 def kv_bytes_per_block(model, block_size: int) -> int:

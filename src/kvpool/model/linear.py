@@ -30,6 +30,7 @@ from types import ModuleType
 
 import torch
 
+from kvpool.model import hugepages
 from kvpool.model.quant import BlockWeights
 
 
@@ -96,6 +97,21 @@ class BlockLinear:
         # does not run; a second copy of the blocks, read instead of them up to GEMV_ROWS rows
         self.packed = packed_or_none(kernels, weights)
 
+    def stream(self) -> list[torch.Tensor]:
+        """What a decode step of a few rows reads, in order: the repacked blocks (or the
+        blocks, where none), then the scales."""
+        w = self.weights
+        return [self.packed if self.packed is not None else w.qs, w.d, w.m]
+
+    def restream(self, moved: list[torch.Tensor], qs: torch.Tensor | None) -> None:
+        """Take ``stream()``'s tensors (and the blocks, where repacked) from their copies."""
+        w = self.weights
+        if self.packed is not None:
+            self.packed = moved[0]
+            self.weights = BlockWeights(w.kind, qs, moved[1], moved[2])
+        else:
+            self.weights = BlockWeights(w.kind, moved[0], moved[1], moved[2])
+
     def _big(self, x: torch.Tensor, prompt: bool) -> bool:
         if self.large is None:
             return False
@@ -124,3 +140,23 @@ class BlockLinear:
         assert isinstance(self.large, DenseLinear), "the fused step needs the dense fallback"
         return {"w_t": self.large.w_t, "bias": self.bias, "qs": w.qs, "d": w.d, "m": w.m,
                 "small_rows": self.small_rows, "packed": self.packed}  # fmt: skip
+
+
+def to_huge_pages(linears: list) -> None:
+    """The weights of ``linears`` (in the order a decode step reads them) copied into
+    huge-page arenas (``hugepages.py``): what the few-row kernel reads (the repacked blocks and
+    their scales), then the blocks as the file had them (the lanes path's), then the dense
+    float32 weights; each arena in that order, so a step's reads are one stream."""
+    blocks = [lin for lin in linears if isinstance(lin, BlockLinear)]
+    first = [t for lin in blocks for t in lin.stream()]
+    qs = [lin.weights.qs for lin in blocks if lin.packed is not None]
+    dense = [lin.large if isinstance(lin, BlockLinear) else lin for lin in linears]
+    dense = [d for d in dense if isinstance(d, DenseLinear)]
+    moved, moved_qs = hugepages.arena(first), iter(hugepages.arena(qs))
+    at = 0
+    for lin in blocks:
+        n = len(lin.stream())
+        lin.restream(moved[at : at + n], next(moved_qs) if lin.packed is not None else None)
+        at += n
+    for d, w_t in zip(dense, hugepages.arena([d.w_t for d in dense]), strict=True):
+        d.w_t = w_t

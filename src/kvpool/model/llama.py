@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kvpool.model import linear
+from kvpool.model import hugepages, linear
 from kvpool.model.attention import AttentionMetadata, paged_attention
 from kvpool.model.config import ModelConfig
 from kvpool.model.kernels import kernels
@@ -92,6 +92,10 @@ class LlamaModel:
             _Layer(make, w, f"model.layers.{i}.", cfg.attention_bias) for i in range(cfg.num_layers)
         ]
         self.weights_exact = make.exact
+        if hugepages.enabled():  # one stream on huge pages, in the order a step reads
+            linear.to_huge_pages([lin for layer in self.layers for lin in
+                                  (layer.qkv, layer.o, layer.gate_up, layer.down)]
+                                 + [self.lm_head])  # fmt: skip
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
