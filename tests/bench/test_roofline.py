@@ -142,3 +142,19 @@ def test_roofline_command_on_the_real_model_with_the_pool(tmp_path):
         assert s["engine_tokens"] + s["pool_tokens"] + s["computed_tokens"] == s["prompt_tokens"]
     assert (tmp_path / "roofline.png").stat().st_size > 1000
     assert "share" in out.stdout and "bound" in out.stdout
+
+
+def test_measure_decode_after_the_step_record_is_full(tiny_model):
+    """The engine keeps its last 512 step times: once that record is full its length stops
+    growing, and a measurement must still find the steps of its own call."""
+    from kvpool.engine.llm import LLM
+
+    llm = LLM(loaded_model=tiny_model, block_size=4, num_kv_blocks=256, max_num_seqs=4)
+    try:
+        times = llm.engine.step_times
+        times.extend([(1, 0, 9.0)] * times.maxlen)  # full, and no full decode step in it
+        step = rl.measure_decode(llm, batch=2, context=8, new_tokens=6)
+        assert 0 < step < 9.0  # one of this call's decode steps, not an old record
+        assert len(times) == times.maxlen
+    finally:
+        llm.engine.close()

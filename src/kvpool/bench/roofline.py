@@ -81,9 +81,13 @@ def measure_decode(llm, batch: int, context: int, new_tokens: int, seed: int = 0
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     eng = llm.engine
     eng.reset_prefix_cache()
-    before = len(eng.step_times)
+    before = eng.scheduler.stats.steps
     llm.generate(prompts, sp)
-    decode = [s for p, d, s in list(eng.step_times)[before:] if p == 0 and d == batch]
+    # this call's steps: the last ones of the record (a bounded deque: its length stops
+    # growing once full, so count the scheduler's steps instead)
+    ran = eng.scheduler.stats.steps - before
+    recent = list(eng.step_times)[-ran:] if ran else []
+    decode = [s for p, d, s in recent if p == 0 and d == batch]
     if not decode:
         raise RuntimeError("no full decode step was measured (batch larger than max_num_seqs?)")
     decode.sort()
