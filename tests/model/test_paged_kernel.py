@@ -38,6 +38,20 @@ def test_kernel_matches_reference(dtype, tol, batch, d):
         assert torch.allclose(got, want, atol=tol, rtol=tol), (got - want).abs().max()
 
 
+# The AVX-512 passes serve a KV head's query rows together, up to four at a time for the
+# scores and 16 / (head size / 16) for the values: every group size, split or not.
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 8), (8, 4), (9, 3), (8, 2), (10, 2),
+                                                 (14, 2), (9, 1)])  # fmt: skip
+@pytest.mark.parametrize("d", [64, 128])
+def test_every_gqa_group_size_matches_reference(heads, kv_heads, d):
+    for batch in (1, 6):
+        q, layer, table, lens, mask = case(torch.float32, batch=batch, heads=heads,
+                                           kv_heads=kv_heads, d=d, seed=batch, blocks=200)  # fmt: skip
+        want = _decode_attention(q, layer, table, mask)
+        got = kern.paged_decode_attention(q, layer, table, lens, d**-0.5)
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
 def test_kernel_rejects_bad_inputs():
     q, layer, table, lens, _ = case(torch.float32)
     bad = table.clone()

@@ -5,9 +5,11 @@
 // of query heads). A sequence is cut into several chunks when there are few sequences, so one
 // long sequence still keeps every thread busy; its chunks' softmax states (max score, sum of
 // exponentials, weighted value sum) are merged at the end, as split-K / flash-decoding does.
-// Where the CPU has AVX-512 and the head size is 64 or 128, the passes keep a query row (or a
-// value accumulator) in registers and reduce four tokens' dot products together; elsewhere
-// portable loops that the compiler vectorizes compute the same sums.
+// Where the CPU has AVX-512 and the head size is 64 or 128, the passes serve the query rows of
+// a KV head together (GQA: each key and value row is loaded once for up to four of them, not
+// once per row), keep their value accumulators in registers, and reduce four tokens' dot
+// products together; elsewhere portable loops that the compiler vectorizes compute the same
+// sums.
 //
 // An int8 cache (kv_cache_dtype="int8", model/kv_quant.py) holds each token's head as D signed
 // bytes then its float32 scale (4 bytes): a key's score is scale * (q . k), a value's weight
@@ -155,59 +157,112 @@ inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
+// Scores of NG query rows r0 .. r0 + NG - 1, all of KV head hh (GQA: they share its keys),
+// four tokens at a time: each key chunk is loaded once for the NG rows. Each (row, token) sum
+// runs in the same order as one row alone would (chunk 0's product, then chunks 1.. fused in
+// order, then the same four-way reduction), so grouping changes no bit of a score.
+template <int DC, int NG, typename KV>
+void scores_group(const float* qf, const KV* kv, const int64_t* blocks, int64_t t0, int64_t t1,
+                  const Shape& s, float* scores, Prefetcher& pf, int64_t hh, int64_t r0) {
+  const int64_t d = s.head_dim, n = t1 - t0;
+  const float* q = qf + r0 * d;
+  int64_t i = t0;
+  for (; i + 4 <= t1; i += 4) {
+    pf.step(6 * NG);
+    const KV* k[4];
+    for (int u = 0; u < 4; ++u) k[u] = token_row(kv, blocks, i + u, s) + hh * s.s_head;
+    __m512 acc[NG][4];
+    for (int u = 0; u < 4; ++u) {
+      const __m512 kc = load16(k[u]);
+      for (int g = 0; g < NG; ++g) acc[g][u] = _mm512_mul_ps(_mm512_loadu_ps(q + g * d), kc);
+    }
+    for (int c = 1; c < DC; ++c)
+      for (int u = 0; u < 4; ++u) {
+        const __m512 kc = load16(k[u] + 16 * c);
+        for (int g = 0; g < NG; ++g)
+          acc[g][u] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * d + 16 * c), kc, acc[g][u]);
+      }
+    __m128 ks = _mm_set1_ps(1.f);
+    if constexpr (std::is_same_v<KV, int8_t>)
+      ks = _mm_setr_ps(row_scale(k[0], d), row_scale(k[1], d), row_scale(k[2], d),
+                       row_scale(k[3], d));
+    for (int g = 0; g < NG; ++g) {
+      __m128 sums = hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+      if constexpr (std::is_same_v<KV, int8_t>) sums = _mm_mul_ps(sums, ks);
+      _mm_storeu_ps(scores + (r0 + g) * n + i - t0, sums);
+    }
+  }
+  for (; i < t1; ++i) {
+    const KV* k = token_row(kv, blocks, i, s) + hh * s.s_head;
+    for (int g = 0; g < NG; ++g) {
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + g * d), load16(k));
+      for (int c = 1; c < DC; ++c)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * d + 16 * c), load16(k + 16 * c), acc);
+      scores[(r0 + g) * n + i - t0] = _mm512_reduce_add_ps(acc) * row_scale(k, d);
+    }
+  }
+}
+
+// The weighted value sums of NG query rows of KV head hh: each value row is loaded once for
+// the NG rows, whose accumulators stay in registers over the tokens (same order per row).
+template <int DC, int NG, typename KV>
+void values_group(const float* probs, const KV* kv, const int64_t* blocks, int64_t t0,
+                  int64_t t1, const Shape& s, float* acc_out, Prefetcher& pf, int64_t hh,
+                  int64_t r0) {
+  const int64_t d = s.head_dim, n = t1 - t0;
+  __m512 acc[NG][DC];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < DC; ++c) acc[g][c] = _mm512_setzero_ps();
+  const float* p = probs + r0 * n - t0;
+  for (int64_t i = t0; i < t1; ++i) {
+    pf.step(2 * NG);
+    const KV* v = token_row(kv, blocks, i, s) + s.s_kv + hh * s.s_head;
+    const float vs = row_scale(v, d);
+    __m512 w[NG];
+    for (int g = 0; g < NG; ++g) w[g] = _mm512_set1_ps(p[g * n + i] * vs);
+    for (int c = 0; c < DC; ++c) {
+      const __m512 vc = load16(v + 16 * c);
+      for (int g = 0; g < NG; ++g) acc[g][c] = _mm512_fmadd_ps(w[g], vc, acc[g][c]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc_out + (r0 + g) * d + 16 * c, acc[g][c]);
+}
+
+// Every query row against tokens [t0, t1): KV head by KV head, its group's rows NG at a time
+// (at most 4 scores rows, and NG * DC <= 16 value accumulators, stay in registers).
 template <int DC, typename KV>
 void scores_pass512(const float* qf, const KV* kv, const int64_t* blocks, int64_t t0,
                     int64_t t1, const Shape& s, float* scores, Prefetcher& pf) {
-  const int64_t d = s.head_dim, group = s.q_heads / s.kv_heads, n = t1 - t0;
+  const int64_t group = s.q_heads / s.kv_heads;
   for (int64_t hh = 0; hh < s.kv_heads; ++hh)
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t r = hh * group + g;
-      __m512 q[DC];
-      for (int c = 0; c < DC; ++c) q[c] = _mm512_loadu_ps(qf + r * d + 16 * c);
-      float* out = scores + r * n - t0;
-      int64_t i = t0;
-      for (; i + 4 <= t1; i += 4) {
-        pf.step(6);
-        const KV* k[4];
-        __m512 acc[4];
-        for (int u = 0; u < 4; ++u) {
-          k[u] = token_row(kv, blocks, i + u, s) + hh * s.s_head;
-          acc[u] = _mm512_mul_ps(q[0], load16(k[u]));
-        }
-        for (int c = 1; c < DC; ++c)
-          for (int u = 0; u < 4; ++u) acc[u] = _mm512_fmadd_ps(q[c], load16(k[u] + 16 * c), acc[u]);
-        __m128 sums = hsum4(acc[0], acc[1], acc[2], acc[3]);
-        if constexpr (std::is_same_v<KV, int8_t>)
-          sums = _mm_mul_ps(sums, _mm_setr_ps(row_scale(k[0], d), row_scale(k[1], d),
-                                              row_scale(k[2], d), row_scale(k[3], d)));
-        _mm_storeu_ps(out + i, sums);
+    for (int64_t g = 0; g < group;) {
+      const int64_t r = hh * group + g, ng = std::min<int64_t>(group - g, 4);
+      switch (ng) {
+        case 4: scores_group<DC, 4>(qf, kv, blocks, t0, t1, s, scores, pf, hh, r); break;
+        case 3: scores_group<DC, 3>(qf, kv, blocks, t0, t1, s, scores, pf, hh, r); break;
+        case 2: scores_group<DC, 2>(qf, kv, blocks, t0, t1, s, scores, pf, hh, r); break;
+        default: scores_group<DC, 1>(qf, kv, blocks, t0, t1, s, scores, pf, hh, r);
       }
-      for (; i < t1; ++i) {
-        const KV* k = token_row(kv, blocks, i, s) + hh * s.s_head;
-        __m512 acc = _mm512_mul_ps(q[0], load16(k));
-        for (int c = 1; c < DC; ++c) acc = _mm512_fmadd_ps(q[c], load16(k + 16 * c), acc);
-        out[i] = _mm512_reduce_add_ps(acc) * row_scale(k, d);
-      }
+      g += ng;
     }
 }
 
 template <int DC, typename KV>
 void values_pass512(const float* probs, const KV* kv, const int64_t* blocks, int64_t t0,
                     int64_t t1, const Shape& s, float* acc_out, Prefetcher& pf) {
-  const int64_t d = s.head_dim, group = s.q_heads / s.kv_heads, n = t1 - t0;
+  constexpr int64_t MAXG = 16 / DC;  // 4 rows at head size 64, 2 at 128
+  const int64_t group = s.q_heads / s.kv_heads;
   for (int64_t hh = 0; hh < s.kv_heads; ++hh)
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t r = hh * group + g;
-      __m512 acc[DC];
-      for (int c = 0; c < DC; ++c) acc[c] = _mm512_setzero_ps();
-      const float* p = probs + r * n - t0;
-      for (int64_t i = t0; i < t1; ++i) {
-        pf.step(2);
-        const KV* v = token_row(kv, blocks, i, s) + s.s_kv + hh * s.s_head;
-        const __m512 w = _mm512_set1_ps(p[i] * row_scale(v, d));
-        for (int c = 0; c < DC; ++c) acc[c] = _mm512_fmadd_ps(w, load16(v + 16 * c), acc[c]);
+    for (int64_t g = 0; g < group;) {
+      const int64_t r = hh * group + g, ng = std::min(group - g, MAXG);
+      switch (ng) {  // cases above MAXG never run (their accumulators would not fit)
+        case 4: values_group<DC, 4>(probs, kv, blocks, t0, t1, s, acc_out, pf, hh, r); break;
+        case 3: values_group<DC, 3>(probs, kv, blocks, t0, t1, s, acc_out, pf, hh, r); break;
+        case 2: values_group<DC, 2>(probs, kv, blocks, t0, t1, s, acc_out, pf, hh, r); break;
+        default: values_group<DC, 1>(probs, kv, blocks, t0, t1, s, acc_out, pf, hh, r);
       }
-      for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc_out + r * d + 16 * c, acc[c]);
+      g += ng;
     }
 }
 #endif
