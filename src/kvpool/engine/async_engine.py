@@ -49,7 +49,8 @@ class AsyncLLMEngine:
         self.cores = cores  # the host's cores, shared with its other workers (core_share.py)
         if cores is not None:
             engine.wide_step = lambda: cores.step_wide  # not a cost-model sample
-            engine.reserve_threads = cores.leave  # the ledger narrows steps during loads
+            # the ledger narrows steps during loads
+            engine.loads_in_flight.reserve_threads = cores.leave
             cores.attach(engine.model)  # asked again between the layers of a step
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Add] = {}

@@ -202,7 +202,7 @@ class CoreLedger:
     def leave(self, threads: int) -> None:
         """From now on, step on ``threads`` fewer threads than the ledger gives (never fewer
         than one): the engine leaves one to its loads while they are in flight
-        (``LLMEngine.leave_core_to_loads``)."""
+        (``engine/loads_in_flight.py``)."""
         if threads != self.reserve:
             self.reserve = max(0, threads)
             self.adjust()

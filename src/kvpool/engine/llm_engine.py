@@ -18,6 +18,7 @@ from kvpool.engine.connectors.base import BlockRef, KVConnector, NoopConnector
 from kvpool.engine.decode_meter import DecodeFigures, DecodeMeter
 from kvpool.engine.kv_cache_manager import KVCacheManager
 from kvpool.engine.limits import check_context_length, check_prompt_chars, check_token_ids
+from kvpool.engine.loads_in_flight import LoadsInFlight
 from kvpool.engine.model_runner import ModelRunner, ScheduledChunk
 from kvpool.engine.output import OutputProcessor
 from kvpool.engine.request import Request, RequestOutput, RequestStatus
@@ -94,11 +95,6 @@ class LLMEngine:
         # sample, since the predictions it feeds (TTFT, lending, admission) matter under load,
         # when every worker is on its share
         self.wide_step: Callable[[], bool] | None = None
-        # where a worker shares the host's cores, its ledger sets each step's threads and is
-        # told how many to leave to the loads (engine/core_share.py); else the engine narrows
-        # torch's threads itself, remembering the count to go back to
-        self.reserve_threads: Callable[[int], None] | None = None
-        self._threads_before_loads: int | None = None
         self.compute_seconds = 0.0  # of every step, wide or not
         self.decode_meter = DecodeMeter(self.model, known_limits())
         self.namespace = kv_namespace(
@@ -121,7 +117,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sched, self.kv_manager, self.connector)
         kernels = paged_kernels() if config.use_kernels else None
         self.runner = ModelRunner(self.model, self.kv_cache, bs, kernels)
-        self._kernels = kernels  # its GIL policy is set before each step (_step)
+        self.loads_in_flight = LoadsInFlight(kernels)  # how steps run while loads are
         self.output = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}  # by request id (a request's first sequence)
         self._child_ids: set[str] = set()  # ids reserved for the other sequences of requests
@@ -259,25 +255,6 @@ class LLMEngine:
                                    self.pool.usage(), remaining)  # fmt: skip
         return self.status
 
-    def leave_core_to_loads(self, loading: bool) -> None:
-        """While loads are in flight, step on one thread fewer (never fewer than one), and go
-        back once none is. The load thread (and the transfer's) then has a core of its own
-        instead of taking one from the step's OpenMP team mid-step, whose barriers all wait for
-        the descheduled thread: on an AMX Xeon under Linux 6.18, where the load thread's lower
-        priority did not keep it off the step's cores, bench_overlap.py's streams had a TBT p99
-        of 134 ms during loads against 34 ms this way, loads took 51 ms against 36, and the
-        loaded requests' first token came at 217 ms against 149 (docs/benchmarks.md)."""
-        if self.reserve_threads is not None:
-            self.reserve_threads(1 if loading else 0)
-        elif loading and self._threads_before_loads is None:
-            threads = torch.get_num_threads()
-            if threads > 1:
-                self._threads_before_loads = threads
-                torch.set_num_threads(threads - 1)
-        elif not loading and self._threads_before_loads is not None:
-            torch.set_num_threads(self._threads_before_loads)
-            self._threads_before_loads = None
-
     def _step(self) -> list[RequestOutput]:
         self._release_saved()
         sched = self.scheduler.schedule()
@@ -288,12 +265,7 @@ class LLMEngine:
                 if self.scheduler.loading:
                     self.load_stall_seconds += time.perf_counter() - t0
             return []
-        if self._kernels is not None:
-            # the kernels let go of the GIL only while loads are in flight, for the load
-            # thread to run during the step; otherwise the process's other threads would take
-            # a core from the step's OpenMP team mid-step (kernels/bindings.cpp)
-            self._kernels.set_release_gil(bool(self.scheduler.loading))
-        self.leave_core_to_loads(bool(self.scheduler.loading))
+        self.loads_in_flight.before_step(bool(self.scheduler.loading))
         t0 = time.perf_counter()
         try:
             result = self.runner.execute(sched.chunks, sched.copies)
@@ -410,7 +382,7 @@ class LLMEngine:
 
     def close(self) -> None:
         self.connector.close()
-        self.leave_core_to_loads(False)  # torch's threads as they were
+        self.loads_in_flight.leave_core(False)  # torch's threads as they were
 
 
 def child_id(request_id: str, index: int) -> str:

@@ -34,7 +34,7 @@ MAX_HINTS = 4096  # arrival lookups queued at once
 # barrier waits for it: TBT p99 93.9 ms at nice 0 against 47.9 at nice 5 (docs/benchmarks.md).
 # Not every host scheduler keeps a nice-5 thread off busy cores (on an AMX Xeon under Linux
 # 6.18: TBT p99 134 ms at nice 5, 147 at nice 0), so the engine also steps on one thread fewer
-# while loads are in flight (``LLMEngine.leave_core_to_loads``): this thread gets a core.
+# while loads are in flight (``engine/loads_in_flight.py``): this thread gets a core.
 BACKGROUND_NICE = 5
 
 
