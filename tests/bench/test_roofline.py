@@ -152,7 +152,8 @@ def test_measure_decode_after_the_step_record_is_full(tiny_model):
     llm = LLM(loaded_model=tiny_model, block_size=4, num_kv_blocks=256, max_num_seqs=4)
     try:
         times = llm.engine.step_times
-        times.extend([(1, 0, 9.0)] * times.maxlen)  # full, and no full decode step in it
+        times.extend([(0, 2, 9.0)] * times.maxlen)  # full, of old steps of the same batch
+        llm.engine.steps_recorded += times.maxlen
         step = rl.measure_decode(llm, batch=2, context=8, new_tokens=6)
         assert 0 < step < 9.0  # one of this call's decode steps, not an old record
         assert len(times) == times.maxlen

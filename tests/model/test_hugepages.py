@@ -59,8 +59,15 @@ def test_bad_size_is_refused():
 
 def test_zeros_is_zeroed_and_shaped(monkeypatch):
     monkeypatch.delenv("KVPOOL_HUGEPAGES", raising=False)
-    z = hugepages.zeros((64, 2, 4, 3, 68), torch.int8)  # above the arena threshold
-    assert z.shape == (64, 2, 4, 3, 68) and z.is_contiguous() and not z.any()
+    real = hugepages.empty
+
+    def dirty(n):  # memory that held something before (a reused heap block)
+        return real(n).fill_(0x5A)
+
+    monkeypatch.setattr(hugepages, "empty", dirty)
+    monkeypatch.setattr(hugepages, "enabled", lambda: True)
+    z = hugepages.zeros((256, 2, 16, 3, 68), torch.int8)  # 3.3 MB: the arena's path
+    assert z.shape == (256, 2, 16, 3, 68) and z.is_contiguous() and not z.any()
     f = hugepages.zeros((2, 3), torch.float32)
     assert f.dtype == torch.float32 and f.sum() == 0
 
@@ -70,7 +77,7 @@ def test_arena_copies_in_order_on_cache_lines(monkeypatch):
     g = torch.Generator().manual_seed(0)
     src = [torch.randn(300, 17, generator=g), torch.randint(0, 255, (1001,), dtype=torch.uint8,
            generator=g), torch.empty(0, dtype=torch.float16),
-           torch.randn(1 << 18, generator=g).half()]  # fmt: skip
+           torch.randn(1 << 20, generator=g).half(), torch.randn(3, 1 << 18, generator=g)]  # fmt: skip
     out = hugepages.arena(src)
     ptrs = [t.data_ptr() for t in out if t.numel()]
     assert ptrs == sorted(ptrs)
@@ -105,8 +112,10 @@ def test_model_on_arenas_computes_the_same(tiny_model, monkeypatch):
         hidden = model.forward(ids, pos, meta, kv)
         return model, hidden, model.logits(hidden[-1:])
 
+    monkeypatch.setattr(hugepages, "enabled", lambda: True)  # whatever this kernel's THP mode
     moved, h1, l1 = run("1")
-    kept, h0, l0 = run("0")
+    monkeypatch.setattr(hugepages, "enabled", lambda: False)
+    _, h0, l0 = run("0")
     assert torch.equal(h0, h1) and torch.equal(l0, l1)
     order = [lin for layer in moved.layers for lin in (layer.qkv, layer.o, layer.gate_up,
              layer.down)] + [moved.lm_head]  # fmt: skip
@@ -114,5 +123,24 @@ def test_model_on_arenas_computes_the_same(tiny_model, monkeypatch):
     assert blocks, "the q4 model has block layers"
     ptrs = [t.data_ptr() for lin in blocks for t in lin.stream() if t.numel()]
     assert ptrs == sorted(ptrs), "the arena is not in the step's order"
-    kept_ptrs = [t.data_ptr() for lin in kept.layers for t in lin.qkv.stream() if t.numel()]
-    assert all(p not in ptrs for p in kept_ptrs)
+
+
+def test_arena_refuses_more_than_its_room():
+    a = hugepages.Arena([64, 64])
+    a.place(torch.zeros(16))
+    with pytest.raises(ValueError, match="full"):
+        a.place(torch.zeros(40))
+
+
+def test_enabled_follows_the_kernels_mode(monkeypatch, tmp_path):
+    monkeypatch.delenv("KVPOOL_HUGEPAGES", raising=False)
+    mode = tmp_path / "enabled"
+    monkeypatch.setattr(hugepages, "_THP", str(mode))
+    assert not hugepages.enabled()  # no such file: no transparent huge pages
+    for text, want in (("always [madvise] never", True), ("[always] madvise never", True),
+                       ("always madvise [never]", False)):  # fmt: skip
+        mode.write_text(text)
+        assert hugepages.enabled() is want
+    monkeypatch.setenv("KVPOOL_HUGEPAGES", "0")
+    mode.write_text("[always] madvise never")
+    assert not hugepages.enabled()

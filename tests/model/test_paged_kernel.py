@@ -5,6 +5,7 @@ import torch
 
 from kvpool.model.attention import _decode_attention
 from kvpool.model.kernels import paged_kernels
+from kvpool.model.kv_quant import dequantize_kv, quantize_kv
 
 kern = paged_kernels()
 pytestmark = pytest.mark.skipif(kern is None, reason="no C++ compiler for the kernel")
@@ -43,11 +44,17 @@ def test_kernel_matches_reference(dtype, tol, batch, d):
 @pytest.mark.parametrize(("heads", "kv_heads"), [(8, 8), (8, 4), (9, 3), (8, 2), (10, 2),
                                                  (14, 2), (9, 1)])  # fmt: skip
 @pytest.mark.parametrize("d", [64, 128])
-def test_every_gqa_group_size_matches_reference(heads, kv_heads, d):
+@pytest.mark.parametrize("int8", [False, True])
+def test_every_gqa_group_size_matches_reference(heads, kv_heads, d, int8):
     for batch in (1, 6):
         q, layer, table, lens, mask = case(torch.float32, batch=batch, heads=heads,
                                            kv_heads=kv_heads, d=d, seed=batch, blocks=200)  # fmt: skip
-        want = _decode_attention(q, layer, table, mask)
+        if int8:  # the int8 rows, and the float rows they stand for as the reference's input
+            layer = quantize_kv(layer)
+            ref = dequantize_kv(layer, torch.float32)
+        else:
+            ref = layer
+        want = _decode_attention(q, ref, table, mask)
         got = kern.paged_decode_attention(q, layer, table, lens, d**-0.5)
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
 

@@ -81,11 +81,11 @@ def measure_decode(llm, batch: int, context: int, new_tokens: int, seed: int = 0
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     eng = llm.engine
     eng.reset_prefix_cache()
-    before = eng.scheduler.stats.steps
+    before = eng.steps_recorded
     llm.generate(prompts, sp)
     # this call's steps: the last ones of the record (a bounded deque: its length stops
-    # growing once full, so count the scheduler's steps instead)
-    ran = eng.scheduler.stats.steps - before
+    # growing once full, so count what was appended instead)
+    ran = min(eng.steps_recorded - before, len(eng.step_times))
     recent = list(eng.step_times)[-ran:] if ran else []
     decode = [s for p, d, s in recent if p == 0 and d == batch]
     if not decode:

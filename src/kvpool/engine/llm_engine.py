@@ -91,6 +91,7 @@ class LLMEngine:
         )
         # (prefill tokens, decoding sequences, seconds) of recent steps: cost-model samples
         self.step_times: deque[tuple[int, int, float]] = deque(maxlen=512)
+        self.steps_recorded = 0  # appended to step_times ever (its length stops at 512)
         # true for a step that ran on the cores of idle workers (engine/core_share.py): not a
         # sample, since the predictions it feeds (TTFT, lending, admission) matter under load,
         # when every worker is on its share
@@ -278,6 +279,7 @@ class LLMEngine:
         self.compute_seconds += took
         if self.wide_step is None or not self.wide_step():
             self.step_times.append((prefill, decodes, took))
+            self.steps_recorded += 1
         if prefill == 0:  # a step of decodes only: what it read, over how long it took
             self.decode_meter.observe(decodes, sum(c.start + 1 for c in sched.chunks), took)
         self._save(sched.new_blocks)

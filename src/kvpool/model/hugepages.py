@@ -30,11 +30,22 @@ _MADV_HUGEPAGE = 14
 _ALIGN = 64  # each tensor of an arena starts on a cache line
 
 
+_THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
 def enabled() -> bool:
-    """Whether the arena and the advice are used (Linux, and not ``KVPOOL_HUGEPAGES=0``)."""
+    """Whether the arenas and the advice are used: Linux with transparent huge pages in
+    ``always`` or ``madvise`` mode, and not ``KVPOOL_HUGEPAGES=0`` (else the weights stay where
+    torch put them: a copy would gain nothing)."""
+    if os.environ.get("KVPOOL_HUGEPAGES", "1") in ("0", "false", "no", ""):
+        return False
     if not sys.platform.startswith("linux"):
         return False
-    return os.environ.get("KVPOOL_HUGEPAGES", "1") not in ("0", "false", "no", "")
+    try:
+        with open(_THP) as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
 
 
 _libc = None
@@ -58,11 +69,11 @@ def empty(nbytes: int) -> torch.Tensor:
         raise ValueError(f"nbytes must be positive, got {nbytes}")
     if not enabled() or nbytes < HUGE // 2:
         return torch.empty(nbytes, dtype=torch.uint8)
-    raw = torch.empty(nbytes + HUGE, dtype=torch.uint8)
+    span = (nbytes + HUGE - 1) // HUGE * HUGE  # whole huge pages, all inside the allocation
+    raw = torch.empty(span + HUGE, dtype=torch.uint8)
     off = -raw.data_ptr() % HUGE
-    view = raw[off : off + nbytes]
-    _madvise(view.data_ptr(), (nbytes + HUGE - 1) // HUGE * HUGE)
-    return view
+    _madvise(raw.data_ptr() + off, span)
+    return raw[off : off + nbytes]
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -76,18 +87,37 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return empty(nbytes).view(dtype).view(shape).zero_()
 
 
+class Arena:
+    """Room for tensors of known sizes, one after another (each on a cache line) in one
+    huge-page buffer: ``place`` copies a tensor in and gives the copy. Callers place and drop
+    their originals one at a time, so a model's weights are never all held twice."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        total = sum(_lined(n) for n in sizes)
+        self._buf = empty(max(total, 1))
+        self._at = 0
+
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        n = t.numel() * t.element_size()
+        if self._at + n > self._buf.numel():
+            raise ValueError("the arena is full: a tensor larger than its share was placed")
+        view = self._buf[self._at : self._at + n].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        self._at += _lined(n)
+        return view
+
+
+def _lined(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def arena(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Contiguous copies of ``tensors``, one after another (each on a cache line) in one
-    huge-page arena, in the order given; the originals are left to be freed by the caller."""
+    """Contiguous copies of ``tensors``, in the order given, in one arena (``Arena``)."""
     if not tensors:
         return []
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    total = sum((n + _ALIGN - 1) // _ALIGN * _ALIGN for n in sizes)
-    buf = empty(max(total, 1))
-    out, at = [], 0
-    for t, n in zip(tensors, sizes, strict=True):
-        view = buf[at : at + n].view(t.dtype).view(t.shape)
-        view.copy_(t)
-        out.append(view)
-        at += (n + _ALIGN - 1) // _ALIGN * _ALIGN
-    return out
+    a = Arena([nbytes(t) for t in tensors])
+    return [a.place(t) for t in tensors]

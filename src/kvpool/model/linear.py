@@ -146,17 +146,18 @@ def to_huge_pages(linears: list) -> None:
     """The weights of ``linears`` (in the order a decode step reads them) copied into
     huge-page arenas (``hugepages.py``): what the few-row kernel reads (the repacked blocks and
     their scales), then the blocks as the file had them (the lanes path's), then the dense
-    float32 weights; each arena in that order, so a step's reads are one stream."""
+    float32 weights; each arena in that order, so a step's reads are one stream. Each layer's
+    tensors move one layer at a time, so the originals are let go as their copies are made."""
     blocks = [lin for lin in linears if isinstance(lin, BlockLinear)]
-    first = [t for lin in blocks for t in lin.stream()]
-    qs = [lin.weights.qs for lin in blocks if lin.packed is not None]
     dense = [lin.large if isinstance(lin, BlockLinear) else lin for lin in linears]
     dense = [d for d in dense if isinstance(d, DenseLinear)]
-    moved, moved_qs = hugepages.arena(first), iter(hugepages.arena(qs))
-    at = 0
+    first = hugepages.Arena([hugepages.nbytes(t) for lin in blocks for t in lin.stream()])
+    qs = hugepages.Arena([hugepages.nbytes(lin.weights.qs) for lin in blocks
+                          if lin.packed is not None])  # fmt: skip
     for lin in blocks:
-        n = len(lin.stream())
-        lin.restream(moved[at : at + n], next(moved_qs) if lin.packed is not None else None)
-        at += n
-    for d, w_t in zip(dense, hugepages.arena([d.w_t for d in dense]), strict=True):
-        d.w_t = w_t
+        moved = [first.place(t) for t in lin.stream()]
+        lin.restream(moved, qs.place(lin.weights.qs) if lin.packed is not None else None)
+    if dense:
+        floats = hugepages.Arena([hugepages.nbytes(d.w_t) for d in dense])
+        for d in dense:
+            d.w_t = floats.place(d.w_t)

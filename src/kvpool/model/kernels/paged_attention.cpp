@@ -86,9 +86,11 @@ struct Prefetcher {
   int64_t nblocks = 0, block_stride = 0, bytes = 0;  // bytes per block's K + V; strides in bytes
   int64_t j = 0, at = 0;
   inline void step(int lines) {
-    for (int n = 0; n < lines && j < nblocks; ++n) {
-      _mm_prefetch(base + blocks[j] * block_stride + at, _MM_HINT_T1);
-      at += 64;
+    while (lines > 0 && j < nblocks) {  // a tight run of lines within the current block
+      const char* p = base + blocks[j] * block_stride;
+      const int64_t end = std::min<int64_t>(bytes, at + 64 * static_cast<int64_t>(lines));
+      lines -= static_cast<int>((end - at + 63) / 64);
+      for (; at < end; at += 64) _mm_prefetch(p + at, _MM_HINT_T1);
       if (at >= bytes) at = 0, ++j;
     }
   }
@@ -256,11 +258,18 @@ void values_pass512(const float* probs, const KV* kv, const int64_t* blocks, int
   for (int64_t hh = 0; hh < s.kv_heads; ++hh)
     for (int64_t g = 0; g < group;) {
       const int64_t r = hh * group + g, ng = std::min(group - g, MAXG);
-      switch (ng) {  // cases above MAXG never run (their accumulators would not fit)
-        case 4: values_group<DC, 4>(probs, kv, blocks, t0, t1, s, acc_out, pf, hh, r); break;
-        case 3: values_group<DC, 3>(probs, kv, blocks, t0, t1, s, acc_out, pf, hh, r); break;
-        case 2: values_group<DC, 2>(probs, kv, blocks, t0, t1, s, acc_out, pf, hh, r); break;
-        default: values_group<DC, 1>(probs, kv, blocks, t0, t1, s, acc_out, pf, hh, r);
+      // groups above MAXG rows are never built (their accumulators would not fit)
+      if constexpr (MAXG >= 4) {
+        if (ng == 4) {
+          values_group<DC, 4>(probs, kv, blocks, t0, t1, s, acc_out, pf, hh, r);
+        } else if (ng == 3) {
+          values_group<DC, 3>(probs, kv, blocks, t0, t1, s, acc_out, pf, hh, r);
+        }
+      }
+      if (ng == 2) {
+        values_group<DC, 2>(probs, kv, blocks, t0, t1, s, acc_out, pf, hh, r);
+      } else if (ng == 1) {
+        values_group<DC, 1>(probs, kv, blocks, t0, t1, s, acc_out, pf, hh, r);
       }
       g += ng;
     }
