@@ -6,8 +6,9 @@ pages each of those streams misses the TLB every 4 KB and starts cold; torch all
 2 MB without huge pages whatever the system allows. So the model's block weights are copied
 once, at load, into one arena in the order a step reads them, 2 MB-aligned and advised
 ``MADV_HUGEPAGE`` before anything touches it; the dense fallbacks and the KV cache get the
-advice as well. Measured on an AMX Xeon (batch 1, 512 tokens of context, the same process
-alternating): the layers' step 1.09x faster, the output head 1.6x (docs/benchmarks.md).
+advice as well. Measured on an AMX Xeon (512 tokens of context, two engines in one process
+alternating: ``benchmarks/bench_hugepages.py``): decode steps 1.16x faster at batch 1, 1.15x at
+8, 1.08x at 32; the 30 MB output head alone ~1.6x (docs/benchmarks.md).
 
 Only advice: where the kernel has no transparent huge pages (``enabled`` is ``never``, or not
 built in) the memory is ordinary and nothing else changes. ``KVPOOL_HUGEPAGES=0`` turns it off.
