@@ -11,7 +11,7 @@ alternating: ``benchmarks/bench_hugepages.py``): decode steps 1.16x faster at ba
 8, 1.08x at 32; the 30 MB output head alone ~1.6x (docs/benchmarks.md).
 
 Only advice: where the kernel has no transparent huge pages (``enabled`` is ``never``, or not
-built in) the memory is ordinary and nothing else changes. ``KVPOOL_HUGEPAGES=0`` turns it off.
+built in) nothing is copied and the memory is torch's. ``KVPOOL_HUGEPAGES=0`` turns it off.
 """
 
 from __future__ import annotations
