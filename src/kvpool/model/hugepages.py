@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
 import os
 import sys
 
@@ -79,13 +80,10 @@ def empty(nbytes: int) -> torch.Tensor:
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """``torch.zeros(shape, dtype=dtype)`` on huge pages (the KV cache)."""
-    n = 1
-    for s in shape:
-        n *= s
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
-    if nbytes == 0 or not enabled():
+    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if size == 0 or not enabled():
         return torch.zeros(shape, dtype=dtype)
-    return empty(nbytes).view(dtype).view(shape).zero_()
+    return empty(size).view(dtype).view(shape).zero_()
 
 
 class Arena:
@@ -99,7 +97,7 @@ class Arena:
         self._at = 0
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
-        n = t.numel() * t.element_size()
+        n = nbytes(t)
         if self._at + n > self._buf.numel():
             raise ValueError("the arena is full: a tensor larger than its share was placed")
         view = self._buf[self._at : self._at + n].view(t.dtype).view(t.shape)
@@ -114,11 +112,3 @@ def _lined(n: int) -> int:
 
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def arena(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Contiguous copies of ``tensors``, in the order given, in one arena (``Arena``)."""
-    if not tensors:
-        return []
-    a = Arena([nbytes(t) for t in tensors])
-    return [a.place(t) for t in tensors]
