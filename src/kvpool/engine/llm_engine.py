@@ -118,7 +118,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sched, self.kv_manager, self.connector)
         kernels = paged_kernels() if config.use_kernels else None
         self.runner = ModelRunner(self.model, self.kv_cache, bs, kernels)
-        self.loads_in_flight = LoadsInFlight(kernels)  # how steps run while loads are
+        self.loads_in_flight = LoadsInFlight(kernels)  # steps while KV loads are in flight
         self.output = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}  # by request id (a request's first sequence)
         self._child_ids: set[str] = set()  # ids reserved for the other sequences of requests
