@@ -132,6 +132,9 @@ def test_8_bit_prompt_activations_get_a_namespace_of_their_own(real_model, monke
         llm.engine.close()
         return llm.engine.namespace
 
+    # prompt steps on the block kernel (not BLAS, not AMX tiles), whatever this CPU prefers
+    monkeypatch.setenv("KVPOOL_PROMPT_BLOCKS", "1")
+    monkeypatch.setenv("KVPOOL_PROMPT_AMX", "0")
     monkeypatch.setattr(linear, "PROMPT_ACT8", False)
     base = namespace(weights="float32")
     monkeypatch.setattr(linear, "PROMPT_ACT8", True)

@@ -1,12 +1,13 @@
 """Choices measured on this CPU, once, then cached: which weight format ``auto`` means, up to
 how many rows a decode batch runs the block kernel rather than BLAS, and which of the two runs
-steps with prompt tokens.
+steps with prompt tokens, or whether AMX tiles run them faster than either (where the CPU has
+them: ``kernels/amx.cpp``).
 
 Machines differ (AVX-512 Xeons run float32 BLAS far faster than an AVX2-only EPYC does), so
 nothing here is a constant: a few timed calls on matrices of the model's own shapes decide, and
 the result is kept in ``<cache>/autotune/`` keyed by the CPU, torch, the kernels' build (a
-digest of their sources), the thread count and the shapes (``KVPOOL_SMALL_ROWS`` and
-``KVPOOL_PROMPT_BLOCKS`` override the measurements).
+digest of their sources), the thread count and the shapes (``KVPOOL_SMALL_ROWS``,
+``KVPOOL_PROMPT_BLOCKS`` and ``KVPOOL_PROMPT_AMX`` override the measurements).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ ROWS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes tried, in order
 PROMPT_ROWS = 512  # a prompt step's rows, as measured for ``prompt_blocks``
 _ENV = "KVPOOL_SMALL_ROWS"
 _PROMPT_ENV = "KVPOOL_PROMPT_BLOCKS"
+_AMX_ENV = "KVPOOL_PROMPT_AMX"
 
 
 def cpu_name() -> str:
@@ -136,6 +138,21 @@ def measure_prompt_blocks(kernels: ModuleType, kind: str, k: int, n: int) -> boo
     return blocks < best_time(lambda: torch.mm(x, dense))
 
 
+def measure_prompt_amx(kernels: ModuleType, kind: str | None, k: int, n: int) -> bool:
+    """Whether AMX tiles run ``PROMPT_ROWS`` rows of a ``[n, k]`` matrix faster than BLAS and
+    (for ``kind`` blocks, None for float32 weights) the block kernel: from cache, as
+    ``measure_prompt_blocks`` times them."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=g) * 0.02
+    dense, tiles = w.t().contiguous(), kernels.amx_pack(w)
+    x = torch.randn(PROMPT_ROWS, k, generator=g)
+    others = [best_time(lambda: torch.mm(x, dense))]
+    if kind is not None:
+        bw = quantize(w, kind)
+        others.append(best_time(lambda: kernels.qlinear(x, bw.qs, bw.d, bw.m, **prompt_args())))
+    return best_time(lambda: kernels.amx_linear(x, tiles)) < min(others)
+
+
 def cached(name: str, key: str, measure, valid, fresh: bool = False):
     """``measure()``, kept under ``key`` in ``<cache>/autotune/<name>.json`` and read back from
     there by later calls (unless ``fresh``) when ``valid(value)`` holds."""
@@ -186,4 +203,28 @@ def prompt_blocks(kernels: ModuleType, kind: str, k: int, n: int) -> bool:
         return faster
 
     return cached("prompt_blocks", _key(kernels, kind, k, n), measure,
+                  lambda v: isinstance(v, bool))  # fmt: skip
+
+
+def prompt_amx(kernels: ModuleType | None, kind: str | None, k: int, n: int) -> bool:
+    """Whether prompt steps of a ``[n, k]`` layer run on AMX tiles here: never where the build
+    or the CPU has none, nor where ``KVPOOL_PROMPT_BLOCKS`` chose between the block kernel and
+    BLAS (unless ``KVPOOL_PROMPT_AMX`` says otherwise), else ``measure_prompt_amx``, from the
+    cache when measured before."""
+    if kernels is None or not kernels.has_amx() or n % 16 or k % 32:
+        return False
+    if os.environ.get(_AMX_ENV):
+        return os.environ[_AMX_ENV] not in ("0", "false", "no")
+    if os.environ.get(_PROMPT_ENV):
+        return False
+
+    def measure() -> bool:
+        t0 = time.perf_counter()
+        faster = measure_prompt_amx(kernels, kind, k, n)
+        logger.info("prompt steps (%s, %dx%d) %s on AMX tiles here (measured in %.1f s)",
+                    kind or "float32", n, k, "run" if faster else "do not run",
+                    time.perf_counter() - t0)  # fmt: skip
+        return faster
+
+    return cached("prompt_amx", _key(kernels, kind or "float32", k, n), measure,
                   lambda v: isinstance(v, bool))  # fmt: skip

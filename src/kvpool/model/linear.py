@@ -7,7 +7,9 @@ and logprobs do not depend on how the scheduler cut it into chunks. ``nbytes`` i
 over the weights reads: the weight bytes each decode step streams (the roofline report).
 
 - ``DenseLinear``: float weights through BLAS (kept transposed: ``x @ W`` runs 2-3x faster
-  on CPU BLAS than ``x @ W.T`` at decode's small batch sizes).
+  on CPU BLAS than ``x @ W.T`` at decode's small batch sizes); prompt steps on AMX tiles
+  instead where ``with_amx`` packed them (``kernels/amx.cpp``: each operand in two bfloat16
+  halves, within ~1e-5 of float32 arithmetic; chosen where faster: ``autotune.py``).
 - ``BlockLinear``: 32-block q4/q8 weights (``quant.py``) through ``kernels/qgemm.cpp``, and
   up to ``GEMV_ROWS`` decode rows through ``kernels/gemv.cpp`` over a repacked copy.
   Decode-only batches of up to ``small_rows`` rows run it (a step bound by the bytes of the
@@ -35,25 +37,43 @@ from kvpool.model.quant import BlockWeights
 
 
 class DenseLinear:
-    __slots__ = ("bias", "w_t")
+    __slots__ = ("amx", "bias", "kernels", "w_t")
 
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.w_t = w.t().contiguous()
         self.bias = bias
+        self.amx: torch.Tensor | None = None  # the weights in AMX tiles, for prompt steps
+        self.kernels: ModuleType | None = None
+
+    def with_amx(self, kernels: ModuleType) -> DenseLinear:
+        """Prompt steps on AMX tiles from now on (``kernels/amx.cpp``)."""
+        self.kernels = kernels
+        self.amx = kernels.amx_pack(self.w_t.t())
+        return self
 
     def __call__(self, x: torch.Tensor, prompt: bool = False) -> torch.Tensor:
+        if prompt and self.amx is not None:
+            return self.kernels.amx_linear(_rows(x), self.amx, bias=self.bias)
         w = self.w_t
         return torch.mm(x, w) if self.bias is None else torch.addmm(self.bias, x, w)
 
     def add_to(self, h: torch.Tensor, x: torch.Tensor, prompt: bool = False) -> torch.Tensor:
+        if prompt and self.amx is not None and h.is_contiguous():
+            return self.kernels.amx_linear(_rows(x), self.amx, h, self.bias)
         return torch.addmm(h, x, self.w_t)
 
     @property
     def nbytes(self) -> int:
+        """What one pass of a decode step reads (BLAS's float32 weights)."""
         return self.w_t.numel() * self.w_t.element_size()
 
     def spec(self) -> dict:
         return {"w_t": self.w_t, "bias": self.bias, "qs": None}
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with contiguous rows, as the AMX kernel reads them."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def packed_or_none(kernels: ModuleType, bw: BlockWeights) -> torch.Tensor | None:
@@ -119,14 +139,14 @@ class BlockLinear:
 
     def __call__(self, x: torch.Tensor, prompt: bool = False) -> torch.Tensor:
         if self._big(x, prompt):
-            return self.large(x)  # type: ignore[operator]
+            return self.large(x, prompt)  # type: ignore[operator]
         w = self.weights
         y = self.kernels.qlinear(x, w.qs, w.d, w.m, packed=self.packed, **_lanes(prompt))
         return y if self.bias is None else y.add_(self.bias)
 
     def add_to(self, h: torch.Tensor, x: torch.Tensor, prompt: bool = False) -> torch.Tensor:
         if self._big(x, prompt):
-            return self.large.add_to(h, x)  # type: ignore[union-attr]
+            return self.large.add_to(h, x, prompt)  # type: ignore[union-attr]
         w = self.weights
         assert self.bias is None
         return self.kernels.qlinear(x, w.qs, w.d, w.m, h, packed=self.packed, **_lanes(prompt))
@@ -147,7 +167,8 @@ def to_huge_pages(linears: list) -> None:
     huge-page arenas (``hugepages.py``): what the few-row kernel reads (the repacked blocks and
     their scales), then the blocks as the file had them (the lanes path's), then the dense
     float32 weights; each arena in that order, so a step's reads are one stream. Each layer's
-    tensors move one layer at a time, so the originals are let go as their copies are made."""
+    tensors move one layer at a time, so the originals are let go as their copies are made; the
+    AMX tiles of prompt steps, where packed, go into a fourth arena."""
     blocks = [lin for lin in linears if isinstance(lin, BlockLinear)]
     dense = [lin.large if isinstance(lin, BlockLinear) else lin for lin in linears]
     dense = [d for d in dense if isinstance(d, DenseLinear)]
@@ -161,3 +182,8 @@ def to_huge_pages(linears: list) -> None:
         floats = hugepages.Arena([hugepages.nbytes(d.w_t) for d in dense])
         for d in dense:
             d.w_t = floats.place(d.w_t)
+    tiles = [d for d in dense if d.amx is not None]
+    if tiles:
+        arena = hugepages.Arena([hugepages.nbytes(d.amx) for d in tiles])
+        for d in tiles:
+            d.amx = arena.place(d.amx)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from kvpool.common.errors import ModelLoadError
-from kvpool.model.autotune import prompt_blocks, small_rows
+from kvpool.model.autotune import prompt_amx, prompt_blocks, small_rows
 from kvpool.model.config import ModelConfig
 from kvpool.model.linear import BlockLinear, DenseLinear
 from kvpool.model.quant import GGUF_BLOCKS, QK, BlockWeights, cat_rows, from_gguf_blocks, quantize
@@ -85,6 +85,7 @@ class LinearFactory:
         # float rounding), so its KV is the float32 model's and shares its keys
         self.exact = True
         self.kernels = None
+        self.amx_kernels = None  # the kernels for AMX prompt steps (False: none)
         self.blocks: dict[str, BlockWeights] = {}
         if fmt == "float32":
             return
@@ -118,22 +119,38 @@ class LinearFactory:
         b = torch.cat([self.w[n] for n in bias]) if bias else None
         large = DenseLinear(w, b)
         if self.fmt == "float32":
-            return large
+            return self._tiles(large, None)
         parts = [self._take(n, _KIND[self.fmt]) for n in names]
         return self._blocks(cat_rows(parts), b, large)
 
-    def _blocks(self, bw: BlockWeights, bias, large: DenseLinear) -> BlockLinear:
+    def _tiles(self, large: DenseLinear, kind: str | None) -> DenseLinear:
+        """``large`` with its prompt steps on AMX tiles where they run faster here."""
+        if self.amx_kernels is None:
+            from kvpool.model.kernels import kernels
+
+            self.amx_kernels = kernels() or False
+        n, k = large.w_t.shape[1], large.w_t.shape[0]
+        if self.amx_kernels and prompt_amx(self.amx_kernels, kind, k, n):
+            large.with_amx(self.amx_kernels)
+        return large
+
+    def _blocks(
+        self, bw: BlockWeights, bias, large: DenseLinear, tiles: bool = True
+    ) -> BlockLinear:
         n, k = bw.shape
         rows = small_rows(self.kernels, bw.kind, k, n)
         prompt = prompt_blocks(self.kernels, bw.kind, k, n)
+        if tiles and self._tiles(large, bw.kind).amx is not None:
+            prompt = False  # prompt steps go to the dense layer, on tiles
         return BlockLinear(bw, self.kernels, bias, large, rows, prompt)
 
     def head(self, name: str):
-        """The output head (vocabulary x hidden), at 8 bits in both quantized formats."""
+        """The output head (vocabulary x hidden), at 8 bits in both quantized formats; never on
+        AMX tiles (a prompt step computes logits for a few rows only)."""
         large = DenseLinear(self.w[name])
         if self.fmt == "float32":
             return large
-        return self._blocks(self._take(name, "q8"), None, large)
+        return self._blocks(self._take(name, "q8"), None, large, tiles=False)
 
 
 def gguf_blocks(path: Path, cfg: ModelConfig) -> dict[str, BlockWeights]:

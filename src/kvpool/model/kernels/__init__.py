@@ -22,7 +22,7 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-_KERNELS = ("paged_attention", "qgemm", "lanes", "gemv", "decode", "bindings")
+_KERNELS = ("paged_attention", "qgemm", "lanes", "gemv", "decode", "amx", "bindings")
 _SOURCES = [_DIR / f"{n}.cpp" for n in _KERNELS]
 _HEADERS = [_DIR / "kernels.h", _DIR / "qblocks.h"]
 _NAME = "kvpool_kernels"

@@ -65,6 +65,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx2", &kvpool::has_avx2, "whether the quantized kernel's AVX2 path is built in");
   m.def("has_avx512", &kvpool::has_avx512,
         "whether the quantized kernel's AVX-512 path is built in (used unless wide=False)");
+  m.def("has_amx", &kvpool::has_amx,
+        "whether AMX-BF16 tiles are built in and this process may use them");
+  m.def("amx_pack", gil_policy(&kvpool::amx_pack),
+        "float32 [N, K] weights packed in AMX tiles (bfloat16 hi and lo halves)", py::arg("w"));
+  m.def("amx_linear", gil_policy(&kvpool::amx_linear),
+        "x . W^T (+ bias) on AMX tiles, added to out where given", py::arg("x"), py::arg("packed"),
+        py::arg("out") = py::none(), py::arg("bias") = py::none());
   py::class_<kvpool::DecodeModel>(m, "DecodeModel")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor,
                     torch::Tensor>())

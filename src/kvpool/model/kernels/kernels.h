@@ -29,6 +29,13 @@ torch::Tensor gemv_pack(torch::Tensor qs, bool q4);
 bool has_avx2();
 bool has_avx512();
 
+// Dense float32 linear layers on AMX-BF16 tiles, each operand split in two bfloat16 halves
+// (amx.cpp): y = x . W^T (+ bias), added to `out` where given; W packed once by amx_pack.
+bool has_amx();
+torch::Tensor amx_pack(torch::Tensor w);
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> out,
+                         c10::optional<torch::Tensor> bias);
+
 // A whole decode step of a Llama-family model in one call (decode.cpp).
 class DecodeModel {
  public:

@@ -1,0 +1,136 @@
+"""Prompt steps on AMX tiles (kernels/amx.cpp): each operand split in two bfloat16 halves, so
+the results are float32's to ~1e-5, and every row summed in one order whatever the step's
+size. Skipped, with the reason, on CPUs (or builds) without AMX-BF16."""
+
+import pytest
+import torch
+
+from kvpool.model import autotune
+from kvpool.model.kernels import kernels
+from kvpool.model.linear import BlockLinear, DenseLinear
+from kvpool.model.llama import LlamaModel
+from kvpool.model.quality import next_token_logprobs
+
+kern = kernels()
+pytestmark = pytest.mark.skipif(
+    kern is None or not kern.has_amx(),
+    reason="no AMX-BF16 here (CPU or build): the prompt path on tiles is not used",
+)
+SHAPES = [(48, 64), (576, 576), (960, 576), (576, 1536)]  # [N, K]
+
+
+def case(n, k, m=75, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(m, k, generator=g)
+    return w, x
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_results_are_float32_to_rounding(n, k):
+    w, x = case(n, k)
+    want = x.double() @ w.double().t()
+    got = kern.amx_linear(x, kern.amx_pack(w))
+    err = (got.double() - want).abs().max().item()
+    scale = want.abs().max().item()
+    assert err < 2e-5 * scale
+    # one bfloat16 product alone would be ~100x further off: the halves are used
+    plain = x.bfloat16().float().double() @ w.bfloat16().float().double().t()
+    assert err < (plain - want).abs().max().item() / 20
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_a_row_has_the_same_bits_in_any_step(n, k):
+    w, x = case(n, k, m=100)
+    tiles = kern.amx_pack(w)
+    whole = kern.amx_linear(x, tiles)
+    for start, rows in ((0, 1), (3, 5), (10, 16), (17, 33), (40, 60)):
+        part = kern.amx_linear(x[start : start + rows], tiles)
+        assert torch.equal(part, whole[start : start + rows]), (start, rows)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kern.amx_linear(x, tiles), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bias_and_accumulation():
+    w, x = case(576, 576)
+    tiles = kern.amx_pack(w)
+    y = kern.amx_linear(x, tiles)
+    b = torch.randn(576)
+    assert torch.equal(kern.amx_linear(x, tiles, bias=b), y + b)
+    h = torch.randn(x.shape[0], 576)
+    out = h.clone()
+    assert kern.amx_linear(x, tiles, out) is not None
+    assert torch.equal(out, h + y)  # added in place, in that order
+    strided = torch.randn(x.shape[0], 1152)[:, :576]  # rows with a stride, contiguous within
+    strided.copy_(x)
+    assert torch.equal(kern.amx_linear(strided, tiles), y)
+
+
+def test_bad_input_is_refused_with_a_message():
+    w, x = case(64, 64)
+    tiles = kern.amx_pack(w)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kern.amx_pack(torch.randn(40, 64))
+    with pytest.raises(RuntimeError, match="float32"):
+        kern.amx_pack(w.double())
+    with pytest.raises(RuntimeError, match=r"\[M, 64\]"):
+        kern.amx_linear(torch.randn(3, 32), tiles)
+    with pytest.raises(RuntimeError, match="amx_pack"):
+        kern.amx_linear(x, tiles.view(-1))
+    with pytest.raises(RuntimeError, match="out"):
+        kern.amx_linear(x, tiles, torch.zeros(x.shape[0] + 1, 64))
+    with pytest.raises(RuntimeError, match="bias"):
+        kern.amx_linear(x, tiles, bias=torch.zeros(63))
+    assert kern.amx_linear(x[:0], tiles).shape == (0, 64)
+
+
+def test_model_prompt_steps_on_tiles_are_the_float32_models(tiny_model, monkeypatch):
+    """A q4 model whose prompt steps run on tiles gives the float32 weights' prompt
+    logprobs (it computes them with the dense copy, as BLAS would), and the choice can be
+    forced either way."""
+    monkeypatch.setenv("KVPOOL_PROMPT_AMX", "1")
+    q4 = LlamaModel(tiny_model.config, tiny_model.weights, torch.float32, "q4")
+    layer = q4.layers[0]
+    assert isinstance(layer.qkv, BlockLinear) and layer.qkv.large.amx is not None
+    assert not layer.qkv.prompt_blocks  # prompt steps go to the dense layer, on tiles
+    assert q4.lm_head.large.amx is None  # never the head
+    f32 = LlamaModel(tiny_model.config, tiny_model.weights, torch.float32, "float32")
+    assert isinstance(f32.layers[0].qkv, DenseLinear) and f32.layers[0].qkv.amx is not None
+    ids = list(range(3, 60))
+    monkeypatch.setenv("KVPOOL_PROMPT_AMX", "0")
+    blas = LlamaModel(tiny_model.config, tiny_model.weights, torch.float32, "float32")
+    assert blas.layers[0].qkv.amx is None
+    want = next_token_logprobs(blas, ids)
+    for model in (q4, f32):
+        got = next_token_logprobs(model, ids)
+        # ~4e-6 of logprobs of -10 to -35 on the tiny model's random weights
+        assert (got - want).abs().max() < 3e-4
+        # chunked, the attention kernels round otherwise (1e-7); the tiles add nothing to it
+        assert torch.allclose(next_token_logprobs(model, ids, chunk=9), got, atol=1e-5)
+
+
+def test_autotune_measures_and_caches_the_choice(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("KVPOOL_PROMPT_AMX", raising=False)
+    monkeypatch.delenv("KVPOOL_PROMPT_BLOCKS", raising=False)
+    calls = []
+    real = autotune.measure_prompt_amx
+
+    def spy(*a):
+        calls.append(a)
+        return real(*a)
+
+    monkeypatch.setattr(autotune, "measure_prompt_amx", spy)
+    first = autotune.prompt_amx(kern, "q4", 64, 96)
+    assert autotune.prompt_amx(kern, "q4", 64, 96) == first and len(calls) == 1
+    assert (tmp_path / "autotune" / "prompt_amx.json").is_file()
+    # a choice made between the block kernel and BLAS is kept, unless tiles are asked for
+    monkeypatch.setenv("KVPOOL_PROMPT_BLOCKS", "1")
+    assert autotune.prompt_amx(kern, "q4", 64, 96) is False
+    monkeypatch.setenv("KVPOOL_PROMPT_AMX", "1")
+    assert autotune.prompt_amx(kern, "q4", 64, 96) is True
+    assert autotune.prompt_amx(kern, "q4", 64, 40) is False  # N not a multiple of 16
