@@ -87,9 +87,18 @@ struct Aligned {
 };
 using Buffer = std::unique_ptr<uint16_t[], Aligned>;
 
-Buffer aligned_u16(int64_t n) {
-  const size_t bytes = ((n * 2 + 63) / 64) * 64;
-  return Buffer(static_cast<uint16_t*>(std::aligned_alloc(64, bytes)));
+// The calling thread's scratch of at least n 16-bit elements, kept between calls: a fresh
+// allocation of a prompt step's few MB is fresh pages, whose faults cost ~as much as the tiles.
+uint16_t* scratch(int64_t n) {
+  thread_local Buffer buf;
+  thread_local int64_t capacity = 0;
+  if (n > capacity) {
+    const size_t bytes = ((n * 2 + 63) / 64) * 64;
+    buf.reset(static_cast<uint16_t*>(std::aligned_alloc(64, bytes)));
+    TORCH_CHECK(buf, "amx_linear: out of memory for ", bytes, " bytes of activations");
+    capacity = n;
+  }
+  return buf.get();
 }
 
 // The activations' hi and lo halves, [Mpad, K] each (rows past M zero), one parallel pass.
@@ -279,16 +288,20 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   if (M == 0) return y;
 #if defined(KVPOOL_AMX)
   const int64_t Mpad = (M + 31) / 32 * 32, mblocks = Mpad / 32;
-  Buffer xh = aligned_u16(Mpad * K), xl = aligned_u16(Mpad * K);
-  split_rows(x.data_ptr<float>(), x.stride(0), M, Mpad, K, xh.get(), xl.get());
+  uint16_t* const xh = scratch(2 * Mpad * K);
+  uint16_t* const xl = xh + Mpad * K;
+  split_rows(x.data_ptr<float>(), x.stride(0), M, Mpad, K, xh, xl);
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>());
   float* yp = y.data_ptr<float>();
   const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
   const int64_t ntiles = N / 16, nblocks = (ntiles + 1) / 2;
-  // groups of weight blocks kept in L2 (~256 KB of packed weights) while every 32-row block of
-  // activations passes over them
-  const int64_t per_block = 32 * K * 4;
-  const int64_t group = std::max<int64_t>(1, (256 << 10) / per_block);
+  // groups of weight blocks kept in L2 (up to ~1 MB of packed weights, one group a thread at
+  // least) while every 32-row block of activations passes over them: the activations are read
+  // from farther away once per group
+  const int64_t per_block = 32 * K * 4, threads = at::get_num_threads();
+  const int64_t budget = std::max<int64_t>(1, (1 << 20) / per_block);  // blocks per group
+  const int64_t rounds = (nblocks + threads * budget - 1) / (threads * budget);
+  const int64_t group = (nblocks + threads * rounds - 1) / (threads * rounds);
   const int64_t ngroups = (nblocks + group - 1) / group;
   at::parallel_for(0, ngroups, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
@@ -298,9 +311,9 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
         for (int64_t nb = g * group; nb < nb_end; ++nb) {
           const int64_t t = 2 * nb;
           if (t + 1 < ntiles) {
-            block<2>(xh.get(), xl.get(), K, w, t, yp, N, mb * 32, M, t * 16, bp, accumulate);
+            block<2>(xh, xl, K, w, t, yp, N, mb * 32, M, t * 16, bp, accumulate);
           } else {
-            block<1>(xh.get(), xl.get(), K, w, t, yp, N, mb * 32, M, t * 16, bp, accumulate);
+            block<1>(xh, xl, K, w, t, yp, N, mb * 32, M, t * 16, bp, accumulate);
           }
         }
       }
