@@ -59,10 +59,13 @@ def paged_attention(
     v: torch.Tensor,
     kv_layer: torch.Tensor,
     meta: AttentionMetadata,
+    tiles: bool = False,
 ) -> torch.Tensor:
     """Attention output [T, Hq * D] for queries ``q`` [T, Hq, D]; k/v are this step's [T, Hkv, D].
 
     ``kv_layer`` is one layer's view of the cache: ``[num_blocks, 2, block_size, Hkv, D]``.
+    ``tiles``: prompt chunks attend on AMX tiles (``kernels/amx.cpp``: float32 to ~1e-5, each
+    query's row alike however the prompt was cut into chunks), as the model's prompt linears do.
     """
     write_kv(kv_layer, k, v, meta)
     num_tokens, num_heads, head_dim = q.shape
@@ -79,7 +82,10 @@ def paged_attention(
     elif nd:
         out[:nd] = _decode_attention(q[:nd], kv_layer, meta.decode_block_table, meta.decode_mask)
     for seq in meta.prefills:
-        out[seq.start : seq.end] = _prefill_attention(q, k, v, kv_layer, seq)
+        if tiles and meta.kernels is not None:
+            out[seq.start : seq.end] = _prefill_on_tiles(q, k, v, kv_layer, seq, meta.kernels)
+        else:
+            out[seq.start : seq.end] = _prefill_attention(q, k, v, kv_layer, seq)
     return out.view(num_tokens, num_heads * head_dim)
 
 
@@ -126,3 +132,17 @@ def _prefill_attention(
         qs, keys, values, attn_mask=seq.mask, is_causal=seq.mask is None, enable_gqa=True
     )
     return o.squeeze(0).transpose(0, 1)  # [n, Hq, D]
+
+
+def _prefill_on_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                      seq: PrefillSeq, kernels: ModuleType) -> torch.Tensor:  # fmt: skip
+    """``_prefill_attention`` on AMX tiles: causal from the chunk's first position on."""
+    if seq.mask is None:
+        keys = k[seq.start : seq.end].contiguous()
+        values = v[seq.start : seq.end].contiguous()
+    else:
+        ctx = seq.start_pos + seq.end - seq.start
+        keys = _gather(kv_layer, seq.block_table, 0, q.dtype)[:ctx]
+        values = _gather(kv_layer, seq.block_table, 1, q.dtype)[:ctx]
+    qs = q[seq.start : seq.end]
+    return kernels.amx_prefill_attention(qs, keys, values, seq.start_pos, q.shape[-1] ** -0.5)

@@ -208,14 +208,15 @@ def prompt_blocks(kernels: ModuleType, kind: str, k: int, n: int) -> bool:
 
 def prompt_amx(kernels: ModuleType | None, kind: str | None, k: int, n: int) -> bool:
     """Whether prompt steps of a ``[n, k]`` layer run on AMX tiles here: never where the build
-    or the CPU has none, nor where ``KVPOOL_PROMPT_BLOCKS`` chose between the block kernel and
-    BLAS (unless ``KVPOOL_PROMPT_AMX`` says otherwise), else ``measure_prompt_amx``, from the
-    cache when measured before."""
+    or the CPU has none; as ``KVPOOL_PROMPT_AMX`` says where set; else never for float32
+    weights (``kind`` None: the format asked for float32 arithmetic, which the tiles' ~16 bits
+    an operand are not) nor where ``KVPOOL_PROMPT_BLOCKS`` chose between the block kernel and
+    BLAS; else ``measure_prompt_amx``, from the cache when measured before."""
     if kernels is None or not kernels.has_amx() or n % 16 or k % 32:
         return False
     if os.environ.get(_AMX_ENV):
         return os.environ[_AMX_ENV] not in ("0", "false", "no")
-    if os.environ.get(_PROMPT_ENV):
+    if kind is None or os.environ.get(_PROMPT_ENV):
         return False
 
     def measure() -> bool:

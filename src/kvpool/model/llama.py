@@ -92,10 +92,12 @@ class LlamaModel:
             _Layer(make, w, f"model.layers.{i}.", cfg.attention_bias) for i in range(cfg.num_layers)
         ]
         self.weights_exact = make.exact
+        # prompt chunks attend on AMX tiles where the prompt linears run on them
+        self.prompt_tiles = cfg.head_dim % 32 == 0 and cfg.head_dim <= 256 and any(
+            getattr(lin, "amx", None) is not None or getattr(lin, "large", None) is not None
+            and lin.large.amx is not None for lin in self._layer_linears())  # fmt: skip
         if hugepages.enabled():  # one stream on huge pages, in the order a step reads
-            linear.to_huge_pages([lin for layer in self.layers for lin in
-                                  (layer.qkv, layer.o, layer.gate_up, layer.down)]
-                                 + [self.lm_head])  # fmt: skip
+            linear.to_huge_pages([*self._layer_linears(), self.lm_head])
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
@@ -126,6 +128,9 @@ class LlamaModel:
     def linears(self):
         """Every linear layer: the head, then each layer's q/k/v, o, gate/up and down."""
         yield self.lm_head
+        yield from self._layer_linears()
+
+    def _layer_linears(self):
         for layer in self.layers:
             yield from (layer.qkv, layer.o, layer.gate_up, layer.down)
 
@@ -145,7 +150,9 @@ class LlamaModel:
             isinstance(lin, linear.BlockLinear) and lin.prompt_blocks and lin.weights.kind == "q4"
             for lin in self.linears())  # fmt: skip
 
-    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def _rms(self, x: torch.Tensor, w: torch.Tensor, fused=None) -> torch.Tensor:
+        if fused is not None and x.is_contiguous():  # rows over the threads, as decode does
+            return fused.rms_rows(x, w)
         return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
 
     @staticmethod
@@ -170,6 +177,7 @@ class LlamaModel:
         # a step with prompt tokens runs every row on one path (``linear.py``), so a prompt's
         # KV and its logprobs do not depend on how the scheduler cut it into chunks
         prompt = bool(meta.prefills)
+        tiles = prompt and self.prompt_tiles
         # the fused step's C++ RoPE and MLP activation serve this path too, where built
         fused = self.fused if meta.kernels is not None else None
         if fused is None:
@@ -182,7 +190,7 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             if hook is not None:
                 hook()
-            x = self._rms(h, layer.ln_attn)
+            x = self._rms(h, layer.ln_attn, fused)
             qkv = layer.qkv(x, prompt)
             if fused is not None:  # in place, one pass (kernels/decode.cpp)
                 fused.rope_rows_(qkv, positions)
@@ -193,16 +201,16 @@ class LlamaModel:
                 )
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, d)
-            a = paged_attention(q, k, v, kv_cache[:, i], meta)
+            a = paged_attention(q, k, v, kv_cache[:, i], meta, tiles)
             h = layer.o.add_to(h, a, prompt)  # residual add fused into the GEMM
-            x = self._rms(h, layer.ln_mlp)
+            x = self._rms(h, layer.ln_mlp, fused)
             gu = layer.gate_up(x, prompt)
             if fused is not None:
                 act = fused.silu_mul_rows(gu)
             else:
                 act = F.silu(gu[:, :inter], inplace=True).mul_(gu[:, inter:])
             h = layer.down.add_to(h, act, prompt)
-        return self._rms(h, self.norm)
+        return self._rms(h, self.norm, fused)
 
     def logits(self, hidden: torch.Tensor, prompt: bool = False) -> torch.Tensor:
         """Float32 logits [N, vocab] for the selected hidden states (``prompt``: on the prompt

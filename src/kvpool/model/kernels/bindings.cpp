@@ -72,6 +72,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear", gil_policy(&kvpool::amx_linear),
         "x . W^T (+ bias) on AMX tiles, added to out where given", py::arg("x"), py::arg("packed"),
         py::arg("out") = py::none(), py::arg("bias") = py::none());
+  m.def("amx_prefill_attention", gil_policy(&kvpool::amx_prefill_attention),
+        "causal attention of a prompt chunk on AMX tiles", py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("start_pos"), py::arg("scale"));
   py::class_<kvpool::DecodeModel>(m, "DecodeModel")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor,
                     torch::Tensor>())
@@ -81,5 +84,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("slots"), py::arg("cores"), py::arg("share"))
       .def_property_readonly("narrowed", &kvpool::DecodeModel::narrowed)
       .def("rope_rows_", gil_policy(&kvpool::DecodeModel::rope_rows_))
-      .def("silu_mul_rows", gil_policy(&kvpool::DecodeModel::silu_mul_rows));
+      .def("silu_mul_rows", gil_policy(&kvpool::DecodeModel::silu_mul_rows))
+      .def("rms_rows", gil_policy(&kvpool::DecodeModel::rms_rows));
 }

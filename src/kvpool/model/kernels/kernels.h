@@ -35,6 +35,10 @@ bool has_amx();
 torch::Tensor amx_pack(torch::Tensor w);
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> out,
                          c10::optional<torch::Tensor> bias);
+// Causal attention of a prompt chunk's n queries [n, Hq, D] over its sequence's ctx =
+// start_pos + n keys and values [ctx, Hkv, D] on the same tiles (amx.cpp).
+torch::Tensor amx_prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                    int64_t start_pos, double scale);
 
 // A whole decode step of a Llama-family model in one call (decode.cpp).
 class DecodeModel {
@@ -65,9 +69,10 @@ class DecodeModel {
   void share_cores(const std::string& path, int64_t first, int64_t slots, int64_t cores,
                    int64_t share);
   int64_t narrowed() const { return narrowed_; }
-  // The prompt path's RoPE (in place) and silu(gate) * up, with this model's tables.
+  // The prompt path's RoPE (in place), silu(gate) * up and RMSNorm, with this model's tables.
   void rope_rows_(torch::Tensor qkv, torch::Tensor positions) const;
   torch::Tensor silu_mul_rows(torch::Tensor gu) const;
+  torch::Tensor rms_rows(torch::Tensor x, torch::Tensor w) const;
 
  private:
   int64_t heads_, kv_heads_, head_dim_, inter_;
