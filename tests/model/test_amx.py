@@ -157,8 +157,10 @@ def qkv(n, ctx, hq=9, hkv=3, d=64, seed=1):
     return q, k, v
 
 
-@pytest.mark.parametrize("n,start,hq,hkv,d", [(1, 0, 9, 3, 64), (37, 0, 9, 3, 64),
-                                              (100, 29, 4, 2, 128), (64, 300, 8, 8, 32)])
+@pytest.mark.parametrize(
+    "n,start,hq,hkv,d",
+    [(1, 0, 9, 3, 64), (37, 0, 9, 3, 64), (100, 29, 4, 2, 128), (64, 300, 8, 8, 32)],
+)
 def test_prompt_attention_is_float32s_to_rounding(n, start, hq, hkv, d):
     q, k, v = qkv(n, start + n, hq, hkv, d)
     got = kern.amx_prefill_attention(q, k, v, start, d**-0.5)
@@ -185,8 +187,9 @@ def test_prompt_attention_refuses_bad_shapes():
     with pytest.raises(RuntimeError, match="start_pos"):
         kern.amx_prefill_attention(q, k, v, 0, 0.125)
     with pytest.raises(RuntimeError, match="head size"):
-        kern.amx_prefill_attention(q[..., :48], k[..., :48].contiguous(),
-                                   v[..., :48].contiguous(), 2, 0.125)
+        kern.amx_prefill_attention(
+            q[..., :48], k[..., :48].contiguous(), v[..., :48].contiguous(), 2, 0.125
+        )
     with pytest.raises(RuntimeError, match="query heads"):
         kern.amx_prefill_attention(q[:, :8], k, v, 2, 0.125)
     with pytest.raises(RuntimeError, match="contiguous"):
