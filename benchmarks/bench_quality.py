@@ -8,6 +8,10 @@
   with each format against the float32 engine: the tokens they agree for before parting.
 - q4 twice: with the prompt steps' activations on 16 bits (the default) and on 8
   (``KVPOOL_PROMPT_ACT8=1``, ``linear.PROMPT_ACT8``); figures of the 8-bit run end in ``_act8``.
+- q4 once more as served (``_served``): the perplexity pass on the path the engine's prompt
+  steps take on this machine (float32 BLAS, the block kernel or AMX tiles: ``autotune.py``;
+  the compiled RoPE, RMSNorm and attention), not the block kernel's; ``prompt_tiles_served`` is 1 where that is AMX tiles. The greedy
+  runs are the engine's, so always as served.
 
   python benchmarks/bench_quality.py [--quick] [--json PATH]
 """
@@ -61,6 +65,16 @@ def perplexities(res: Results, loaded, ids: list[int]) -> None:
         p = res.figure(f"ppl_{tag}", ppl(lp, ids))
         res.figure(f"ppl_{tag}_delta_pct", 100 * (p / ppl(base, ids) - 1))
         res.figure(f"top1_{tag}", float((lp.argmax(-1) == base.argmax(-1)).float().mean()))
+    linear.PROMPT_ACT8 = False
+    served = LlamaModel(loaded.config, loaded.weights, torch.float32, "q4", "auto", loaded.path)
+    log(f"perplexity: q4 as served (prompt steps on AMX tiles: {served.prompt_tiles})")
+    lp = next_token_logprobs(served, ids, served=True)
+    p = res.figure("ppl_q4_kvauto_served", ppl(lp, ids))
+    res.figure("ppl_q4_kvauto_served_delta_pct", 100 * (p / ppl(ref_lp[0], ids) - 1))
+    res.figure(
+        "top1_q4_kvauto_served", float((lp.argmax(-1) == ref_lp[0].argmax(-1)).float().mean())
+    )
+    res.figure("prompt_tiles_served", int(served.prompt_tiles))
 
 
 def greedy(res: Results, loaded, n: int, new: int) -> None:

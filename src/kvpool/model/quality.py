@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import torch
 
 from kvpool.model.attention import AttentionMetadata, PrefillSeq
+from kvpool.model.kernels import kernels
 from kvpool.model.kv_layout import kv_shape
 from kvpool.model.linear import BlockLinear
 from kvpool.model.llama import LlamaModel
@@ -50,11 +51,14 @@ def block_path(model: LlamaModel) -> Iterator[LlamaModel]:
 
 @torch.inference_mode()
 def next_token_logprobs(model: LlamaModel, ids: list[int], chunk: int = 0,
-                        block: int = 16) -> torch.Tensor:  # fmt: skip
+                        block: int = 16, served: bool = False) -> torch.Tensor:  # fmt: skip
     """Log-probabilities ``[len(ids) - 1, vocab]`` of each next token, from a causal pass over
     ``ids`` with a scratch KV cache of the model's KV format. ``chunk``: tokens per forward
     (0: all at once); every chunk after the first reads the earlier tokens' keys and values
-    from the cache, as a chunked prefill or a decode does (what an int8 cache costs)."""
+    from the cache, as a chunked prefill or a decode does (what an int8 cache costs).
+    ``served``: with the compiled kernels as the engine's steps have them (its RoPE, RMSNorm
+    and, where the prompt linears run on AMX tiles, the attention on tiles), not torch's ops."""
+    mod = kernels() if served else None
     n = len(ids)
     if n < 2:
         raise ValueError("need at least two tokens")
@@ -68,7 +72,8 @@ def next_token_logprobs(model: LlamaModel, ids: list[int], chunk: int = 0,
         pos = torch.arange(start, end)
         mask = None if start == 0 else torch.arange(end).unsqueeze(0) <= pos.unsqueeze(1)
         seq = PrefillSeq(0, end - start, start, table[: -(-end // block)], mask)
-        meta = AttentionMetadata(table[pos // block], pos % block, 0, None, None, None, [seq])
+        meta = AttentionMetadata(table[pos // block], pos % block, 0, None, None, None, [seq],
+                                 mod)  # fmt: skip
         outs.append(model.forward(torch.tensor(ids[start:end]), pos, meta, kv))
     hidden = torch.cat(outs)[:-1]
     parts = [torch.log_softmax(model.logits(hidden[i : i + _ROWS], prompt=True), dim=-1)
