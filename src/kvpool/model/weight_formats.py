@@ -10,8 +10,9 @@ Decode-only steps of up to ``small_rows`` rows run the block kernel; larger ones
 BLAS on the dequantized weights, which is faster for them (``autotune.py`` measures the limit
 per shape on this machine, reading the weights from memory as a decode step does). Steps with
 prompt tokens run one path on every row, the faster of the two on a 512-row batch here
-(``prompt_blocks``), so a prompt's KV and its prompt logprobs do not depend on how the
-scheduler cut it into chunks. The kernel's 16-bit activations keep its results within ~1e-5
+(``prompt_blocks``), or of the three where the CPU has AMX tiles (``prompt_amx``: the dense
+copy packed in bfloat16 halves, ``kernels/amx.cpp``; quantized formats only), so a prompt's KV
+and its prompt logprobs do not depend on how the scheduler cut it into chunks. The kernel's 16-bit activations keep its results within ~1e-5
 of float32 arithmetic on the same weights, so with the file's own blocks the KV is the float32
 model's either way (and shares its keys). ``auto`` is ``q4`` for a
 GGUF file with 4-bit blocks, ``int8`` otherwise, and ``float32`` where the kernel does not

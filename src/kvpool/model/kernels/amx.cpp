@@ -138,6 +138,19 @@ inline void write_tile(const float* sums, float* y, int64_t ldy, int64_t rows, c
   }
 }
 
+// The sums (tiles 0-3) += the activation tiles (4, 5) times the weight tiles at w0 (and w1).
+template <int NT>
+inline void products(const uint16_t* w0, const uint16_t* w1) {
+  _tile_loadd(6, w0, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 5, 6);
+  if constexpr (NT == 2) {
+    _tile_loadd(7, w1, 64);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
 // One 32-row x (NT * 16)-column block of y over all of K: tiles 0-3 the sums (2 x NT), 4-5 the
 // two 16-row halves of the activations, 6-7 the weights.
 // Activation rows lie ldx elements apart (K where not given). DIRECT: the sums are stored as
@@ -147,7 +160,7 @@ void block(const uint16_t* xh, const uint16_t* xl, int64_t K, const uint16_t* w,
            float* y, int64_t ldy, int64_t m0, int64_t M, int64_t n0, const float* bias,
            bool accumulate, int64_t ldx = 0, int64_t wchunks = 0) {
   if (ldx == 0) ldx = K;
-  const int64_t chunks = K / TK, stride_x = ldx * 2, stride_w = 64;
+  const int64_t chunks = K / TK, stride_x = ldx * 2;
   // elements between weight tiles of N (the packed matrix may hold more of K than is summed)
   const int64_t tile_stride = (wchunks ? wchunks : chunks) * 2 * TILE;
   const uint16_t* w0 = w + n_tile * tile_stride;
@@ -162,34 +175,13 @@ void block(const uint16_t* xh, const uint16_t* xl, int64_t K, const uint16_t* w,
   const uint16_t* al = xl + m0 * ldx;
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t kx = c * TK, kw = c * 2 * TILE;
-    _tile_loadd(4, ah + kx, stride_x);  // hi . hi
+    _tile_loadd(4, ah + kx, stride_x);
     _tile_loadd(5, ah + TR * ldx + kx, stride_x);
-    _tile_loadd(6, w0 + kw, stride_w);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 5, 6);
-    if constexpr (NT == 2) {
-      _tile_loadd(7, w1 + kw, stride_w);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-    _tile_loadd(6, w0 + kw + TILE, stride_w);  // hi . lo
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 5, 6);
-    if constexpr (NT == 2) {
-      _tile_loadd(7, w1 + kw + TILE, stride_w);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-    _tile_loadd(4, al + kx, stride_x);  // lo . hi
+    products<NT>(w0 + kw, w1 + kw);                // hi . hi
+    products<NT>(w0 + kw + TILE, w1 + kw + TILE);  // hi . lo
+    _tile_loadd(4, al + kx, stride_x);
     _tile_loadd(5, al + TR * ldx + kx, stride_x);
-    _tile_loadd(6, w0 + kw, stride_w);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 5, 6);
-    if constexpr (NT == 2) {
-      _tile_loadd(7, w1 + kw, stride_w);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
-    }
+    products<NT>(w0 + kw, w1 + kw);  // lo . hi
   }
   if constexpr (DIRECT) {
     float* y0 = y + m0 * ldy + n0;
