@@ -114,6 +114,12 @@ def test_model_prompt_steps_on_tiles_are_the_float32_models(tiny_model, monkeypa
         assert torch.allclose(next_token_logprobs(model, ids, chunk=9), got, atol=1e-5)
 
 
+def test_other_dtypes_never_take_the_tiles(tiny_model, monkeypatch):
+    monkeypatch.setenv("KVPOOL_PROMPT_AMX", "1")  # asked for, yet the tiles take float32 only
+    model = LlamaModel(tiny_model.config, tiny_model.weights, torch.bfloat16, "float32")
+    assert model.layers[0].qkv.amx is None and not model.prompt_tiles
+
+
 def test_autotune_measures_and_caches_the_choice(tmp_path, monkeypatch):
     monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("KVPOOL_PROMPT_AMX", raising=False)

@@ -81,7 +81,7 @@ class LinearFactory:
                  dtype: torch.dtype, source: str | None = None) -> None:  # fmt: skip
         if fmt not in FORMATS:
             raise ValueError(f"weight format must be one of {FORMATS}, got {fmt!r}")
-        self.fmt, self.w, self.cfg = fmt, weights, cfg
+        self.fmt, self.w, self.cfg, self.dtype = fmt, weights, cfg, dtype
         # every block is the file's own: the model computes what the float32 one does (to
         # float rounding), so its KV is the float32 model's and shares its keys
         self.exact = True
@@ -125,7 +125,10 @@ class LinearFactory:
         return self._blocks(cat_rows(parts), b, large)
 
     def _tiles(self, large: DenseLinear, kind: str | None) -> DenseLinear:
-        """``large`` with its prompt steps on AMX tiles where they run faster here."""
+        """``large`` with its prompt steps on AMX tiles where they run faster here (float32
+        weights only: the tiles take float32 operands)."""
+        if self.dtype != torch.float32:
+            return large
         if self.amx_kernels is None:
             from kvpool.model.kernels import kernels
 

@@ -22,9 +22,18 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-_KERNELS = ("paged_attention", "qgemm", "lanes", "gemv", "decode", "amx", "bindings")
+_KERNELS = (
+    "paged_attention",
+    "qgemm",
+    "lanes",
+    "gemv",
+    "decode",
+    "amx",
+    "amx_attention",
+    "bindings",
+)
 _SOURCES = [_DIR / f"{n}.cpp" for n in _KERNELS]
-_HEADERS = [_DIR / "kernels.h", _DIR / "qblocks.h"]
+_HEADERS = [_DIR / "kernels.h", _DIR / "qblocks.h", _DIR / "amx.h"]
 _NAME = "kvpool_kernels"
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
