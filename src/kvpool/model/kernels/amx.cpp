@@ -13,8 +13,6 @@
 // chunks (linear.py). Weights are packed once (amx_pack) in the tiles' own layout.
 #include "amx.h"
 
-#include <cstdlib>
-#include <memory>
 #include <mutex>
 
 #if defined(KVPOOL_AMX)
@@ -43,25 +41,6 @@ bool tiles_permitted() {
 namespace {
 
 using namespace amx;
-
-struct Aligned {
-  void operator()(void* p) const { std::free(p); }
-};
-using Buffer = std::unique_ptr<uint16_t[], Aligned>;
-
-// The calling thread's scratch of at least n 16-bit elements, kept between calls: a fresh
-// allocation of a prompt step's few MB is fresh pages, whose faults cost ~as much as the tiles.
-uint16_t* scratch(int64_t n) {
-  thread_local Buffer buf;
-  thread_local int64_t capacity = 0;
-  if (n > capacity) {
-    const size_t bytes = ((n * 2 + 63) / 64) * 64;
-    buf.reset(static_cast<uint16_t*>(std::aligned_alloc(64, bytes)));
-    TORCH_CHECK(buf, "amx_linear: out of memory for ", bytes, " bytes of activations");
-    capacity = n;
-  }
-  return buf.get();
-}
 
 // The activations' hi and lo halves, [Mpad, K] each (rows past M zero), one parallel pass.
 void split_rows(const float* x, int64_t lda, int64_t M, int64_t Mpad, int64_t K, uint16_t* hi,
@@ -168,7 +147,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   if (M == 0) return y;
 #if defined(KVPOOL_AMX)
   const int64_t Mpad = (M + 31) / 32 * 32, mblocks = Mpad / 32;
-  uint16_t* const xh = scratch(2 * Mpad * K);
+  uint16_t* const xh = scratch(2 * Mpad * K, 0);
   uint16_t* const xl = xh + Mpad * K;
   split_rows(x.data_ptr<float>(), x.stride(0), M, Mpad, K, xh, xl);
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>());

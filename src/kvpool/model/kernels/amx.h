@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -24,6 +26,28 @@ constexpr int64_t TILE = TR * TK;  // elements of one activation or weight tile
 
 // Whether Linux let this process use the tile registers (asked once: amx.cpp).
 bool tiles_permitted();
+
+struct Aligned {
+  void operator()(void* p) const { std::free(p); }
+};
+using Buffer = std::unique_ptr<uint16_t[], Aligned>;
+
+// The calling thread's scratch `slot` (0-3) of at least n 16-bit elements, kept between calls
+// (its contents are not): a fresh allocation of a prompt step's few MB is fresh pages, whose
+// faults cost ~as much as the tiles.
+inline uint16_t* scratch(int64_t n, int slot) {
+  thread_local Buffer bufs[4];
+  thread_local int64_t capacities[4] = {};
+  Buffer& buf = bufs[slot];
+  int64_t& capacity = capacities[slot];
+  if (n > capacity) {
+    const size_t bytes = ((n * 2 + 63) / 64) * 64;
+    buf.reset(static_cast<uint16_t*>(std::aligned_alloc(64, bytes)));
+    TORCH_CHECK(buf, "amx: out of memory for ", bytes, " bytes of scratch");
+    capacity = n;
+  }
+  return buf.get();
+}
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};

@@ -14,8 +14,6 @@ namespace {
 
 using namespace amx;
 
-std::vector<uint16_t> halves(int64_t n) { return std::vector<uint16_t>(n); }
-
 // e^x of 16 lanes (x <= 0 here: shifted scores), to ~1 ulp: e^x = 2^n e^f, n = round(x / ln 2),
 // e^f by a degree-7 polynomial on |f| <= ln 2 / 2 (Cephes' expf coefficients).
 inline __m512 exp16(__m512 x) {
@@ -93,20 +91,23 @@ torch::Tensor amx_prefill_attention(torch::Tensor q, torch::Tensor k, torch::Ten
   const int64_t kpad = (ctx + 31) / 32 * 32, ldq = Hq * D;
   // the queries' halves [npad, Hq, D] (rows past n zero), then the keys packed as weights
   // ([ctx, D] a head: score = q . k) and the values transposed ([D, ctx]: out = p . v)
-  auto qh = halves(npad * ldq), ql = halves(npad * ldq);
+  // every element below is written before it is read: scratch, not zeroed vectors
+  uint16_t* const qh = scratch(2 * npad * ldq, 0);
+  uint16_t* const ql = qh + npad * ldq;
   const float* qp = q.data_ptr<float>();
   at::parallel_for(0, npad, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       for (int64_t e = 0; e < ldq; e += 16) {
         __m512i vh = _mm512_setzero_si512(), vl = vh;
         if (i < n) split(_mm512_loadu_ps(qp + i * q.stride(0) + e), &vh, &vl);
-        store16(qh.data() + i * ldq + e, vh);
-        store16(ql.data() + i * ldq + e, vl);
+        store16(qh + i * ldq + e, vh);
+        store16(ql + i * ldq + e, vl);
       }
     }
   });
   const int64_t per_head = kpad * D * 2;
-  auto kt = halves(Hkv * per_head), vt = halves(Hkv * per_head);
+  uint16_t* const kt = scratch(2 * Hkv * per_head, 1);
+  uint16_t* const vt = kt + Hkv * per_head;
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   at::parallel_for(0, 2 * Hkv, 1, [&](int64_t begin, int64_t end) {
@@ -115,11 +116,11 @@ torch::Tensor amx_prefill_attention(torch::Tensor q, torch::Tensor k, torch::Ten
       if (t % 2 == 0) {
         pack_tiles(kpad, D, [&](int64_t j, int64_t d) {
           return j < ctx ? kp[(j * Hkv + h) * D + d] : 0.f;
-        }, kt.data() + h * per_head);
+        }, kt + h * per_head);
       } else {
         pack_tiles(D, kpad, [&](int64_t d, int64_t j) {
           return j < ctx ? vp[(j * Hkv + h) * D + d] : 0.f;
-        }, vt.data() + h * per_head);
+        }, vt + h * per_head);
       }
     }
   });
@@ -131,25 +132,26 @@ torch::Tensor amx_prefill_attention(torch::Tensor q, torch::Tensor k, torch::Ten
   at::parallel_for(0, Hq * qblocks, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     std::vector<float> scores(32 * kpad), inv(32);
-    auto ph = halves(32 * kpad), pl = halves(32 * kpad);
+    uint16_t* const ph = scratch(2 * 32 * kpad, 2);  // this thread's own
+    uint16_t* const pl = ph + 32 * kpad;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t h = t / qblocks, i0 = (t % qblocks) * 32, kvh = h / G;
       const int64_t rows = std::min<int64_t>(32, n - i0);
       const int64_t keys = start_pos + i0 + rows, kblocks = (keys + 31) / 32, kspan = kblocks * 32;
-      const uint16_t* ah = qh.data() + i0 * ldq + h * D;
-      const uint16_t* al = ql.data() + i0 * ldq + h * D;
+      const uint16_t* ah = qh + i0 * ldq + h * D;
+      const uint16_t* al = ql + i0 * ldq + h * D;
       for (int64_t b = 0; b < kblocks; ++b) {
-        block<2, true>(ah, al, D, kt.data() + kvh * per_head, 2 * b, scores.data(), kpad, 0, rows,
+        block<2, true>(ah, al, D, kt + kvh * per_head, 2 * b, scores.data(), kpad, 0, rows,
                  32 * b, nullptr, false, ldq);
       }
       for (int64_t r = 0; r < 32; ++r) {
         const int64_t valid = r < rows ? start_pos + i0 + r + 1 : 0;
-        inv[r] = softmax_row(scores.data() + r * kpad, valid, kspan, sc, ph.data() + r * kpad,
-                             pl.data() + r * kpad);
+        inv[r] = softmax_row(scores.data() + r * kpad, valid, kspan, sc, ph + r * kpad,
+                             pl + r * kpad);
       }
       float* o = op + i0 * ldq + h * D;
       for (int64_t c = 0; c < D / 32; ++c) {
-        block<2>(ph.data(), pl.data(), kspan, vt.data() + kvh * per_head, 2 * c, o, ldq, 0, rows,
+        block<2>(ph, pl, kspan, vt + kvh * per_head, 2 * c, o, ldq, 0, rows,
                  32 * c, nullptr, false, kpad, kpad / TK);
       }
       for (int64_t r = 0; r < rows; ++r) {
