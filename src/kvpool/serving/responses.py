@@ -121,9 +121,11 @@ class Responder:
         if not fmt.opts.sent:  # else the conductor sent them with the first token
             for chunk in fmt.first_chunks(job.num_choices):
                 yield sse(chunk)
+        # closed here, not left to the garbage collector: a client gone at a yield below
+        # closes this generator there, and only ``merged``'s own close aborts the requests
+        outs = merged([self._generate(job, p) for p in range(len(job.prompts))])
         try:
-            gens = [self._generate(job, p) for p in range(len(job.prompts))]
-            async for p, out in merged(gens):
+            async for p, out in outs:
                 if out.error is not None:
                     yield sse(error_body(500, out.error, EngineError.error_type))
                     return
@@ -142,6 +144,8 @@ class Responder:
         except Exception:
             logger.exception("stream failed")
             yield sse(error_body(500, "internal server error"))
+        finally:
+            await outs.aclose()
 
     @staticmethod
     def _deltas(fmt: CompletionFormat | ChatFormat, hold: int, st: _Choice,
