@@ -48,10 +48,11 @@ class Cluster:
         doc = httpx.get(f"{self.url}/cluster", headers=self.headers, timeout=10).json()
         return [w for w in doc["workers"] if role is None or w["role"] == role]
 
-    def inflight(self) -> float:
+    def inflight(self, gauge: str = "inflight") -> float:
+        """The conductor's requests admitted and not answered (``arriving``: not yet admitted)."""
         text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10).text
-        m = re.search(r"^kvpool_conductor_inflight_requests (\S+)$", text, re.M)
-        assert m, "the conductor exports kvpool_conductor_inflight_requests"
+        m = re.search(rf"^kvpool_conductor_{gauge}_requests (\S+)$", text, re.M)
+        assert m, f"the conductor exports kvpool_conductor_{gauge}_requests"
         return float(m.group(1))
 
     def complete(self, prompt: str = "The capital of France is", max_tokens: int = 4):

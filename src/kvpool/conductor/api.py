@@ -99,8 +99,10 @@ class Conductor(VllmCalls):
         self.prefill_timeout = prefill_timeout
         self.prefill_wait = prefill_wait  # a vLLM prefill's KV: seconds to wait for the pool
         self.metrics = ConductorMetrics(cluster)
-        self.inflight = 0
+        self.inflight = 0  # admitted, not yet answered
+        self.arriving = 0  # received, not yet admitted nor refused (being read, tokenized)
         self.metrics.inflight.set_function(lambda: self.inflight)
+        self.metrics.arriving.set_function(lambda: self.arriving)
         self.created = int(time.time())
         # workers' HTTP APIs take the internal bearer derived from the cluster token
         headers = {"Authorization": f"Bearer {auth.internal_bearer(token)}"} if token else {}
@@ -199,25 +201,34 @@ class Conductor(VllmCalls):
 
     chat = completions
 
+    async def _admit(self, request: Request) -> tuple[bytes, Parsed, RequestInfo, Route]:
+        """Read, tokenize and route a request (counted in ``arriving`` meanwhile)."""
+        self.arriving += 1
+        try:
+            raw = await request.body()
+            parsed = await asyncio.to_thread(self.tokenize, request.url.path, raw)
+            info = await asyncio.to_thread(self.request_info, parsed.ids, parsed.max_tokens)
+            if parsed.more_ids or parsed.params.get("n", 1) > 1:  # the work of all its sequences
+                info = _all_sequences(info, parsed)
+            try:
+                route = self.router.route(self.cluster.snapshot(), info, self.inflight)
+            except RejectedError as exc:
+                self.metrics.rejected.labels(exc.reason).inc()
+                self.metrics.requests.labels("rejected").inc()
+                raise
+            except UnavailableError:
+                self.metrics.rejected.labels("no_worker").inc()
+                self.metrics.requests.labels("unavailable").inc()
+                raise
+            return raw, parsed, info, route
+        finally:
+            self.arriving -= 1
+
     async def handle(self, request: Request) -> Response:
         t0 = time.perf_counter()
-        raw = await request.body()
-        parsed = await asyncio.to_thread(self.tokenize, request.url.path, raw)
+        raw, parsed, info, route = await self._admit(request)
         ids, stream = parsed.ids, parsed.stream
-        info = await asyncio.to_thread(self.request_info, ids, parsed.max_tokens)
-        if parsed.more_ids or parsed.params.get("n", 1) > 1:  # the work of all its sequences
-            info = _all_sequences(info, parsed)
-        try:
-            route = self.router.route(self.cluster.snapshot(), info, self.inflight)
-        except RejectedError as exc:
-            self.metrics.rejected.labels(exc.reason).inc()
-            self.metrics.requests.labels("rejected").inc()
-            raise
-        except UnavailableError:
-            self.metrics.rejected.labels("no_worker").inc()
-            self.metrics.requests.labels("unavailable").inc()
-            raise
-        flight = self._take_flight(route)
+        flight = self._take_flight(route)  # no await since the routing: one count to the other
         response: Response | None = None
         try:
             cached, handle, first = await self._prefill(route, ids, request.url.path, raw, info) \

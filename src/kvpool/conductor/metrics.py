@@ -115,6 +115,9 @@ class ConductorMetrics:
             self.on_decode.labels(reason)
         self.inflight = Gauge("kvpool_conductor_inflight_requests",
                               "Requests admitted and not yet answered.", registry=r)  # fmt: skip
+        self.arriving = Gauge("kvpool_conductor_arriving_requests",
+                              "Requests received and not yet admitted nor refused (their "
+                              "bodies being read, tokenized, routed).", registry=r)  # fmt: skip
         self.ttft = Histogram("kvpool_time_to_first_token_seconds",
                               "Arrival at the conductor to the first streamed token.",
                               buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
