@@ -14,7 +14,7 @@ from kvpool.model.attention import AttentionMetadata, PrefillSeq
 from kvpool.model.kernels import kernels
 from kvpool.model.kv_layout import kv_shape
 from kvpool.model.kv_quant import dequantize_kv
-from kvpool.model.linear import BlockLinear, DenseLinear
+from kvpool.model.linear import BlockLinear, DenseLinear, prompts_on_tiles
 from kvpool.model.llama import LlamaModel
 from kvpool.model.quality import block_path
 
@@ -193,3 +193,16 @@ def test_cached_measurements_are_keyed_by_the_cpu_not_just_its_name():
     assert autotune.cpu_id(zen1).startswith("AMD EPYC|f23-m1-s2|")
     same_but_flags = zen1.replace("avx2 fma", "avx2")
     assert autotune.cpu_id(same_but_flags) != autotune.cpu_id(zen1)
+
+
+def test_prompts_on_tiles_looks_through_to_the_dense_layer():
+    """Which layers take prompt steps on AMX tiles: a dense one with packed tiles, or a block
+    layer whose big batches go to one (the model attends on tiles only then)."""
+    from types import SimpleNamespace
+
+    dense = DenseLinear(torch.zeros(32, 32))
+    assert not prompts_on_tiles(dense)
+    assert not prompts_on_tiles(SimpleNamespace(large=dense))
+    assert not prompts_on_tiles(SimpleNamespace(large=None)) and not prompts_on_tiles(object())
+    dense.amx = torch.zeros(1)  # as ``with_amx`` leaves it (the packing needs AMX)
+    assert prompts_on_tiles(dense) and prompts_on_tiles(SimpleNamespace(large=dense))

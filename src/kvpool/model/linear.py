@@ -101,6 +101,13 @@ def prompt_args() -> dict:
     return {"lanes_from": 1, "act8": PROMPT_ACT8}
 
 
+def prompts_on_tiles(lin: object) -> bool:
+    """Whether ``lin``'s prompt steps run on AMX tiles (itself, or the dense layer it hands
+    big batches to)."""
+    dense = lin if isinstance(lin, DenseLinear) else getattr(lin, "large", None)
+    return isinstance(dense, DenseLinear) and dense.amx is not None
+
+
 class BlockLinear:
     __slots__ = ("bias", "kernels", "large", "packed", "prompt_blocks", "small_rows", "weights")
 

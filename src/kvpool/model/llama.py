@@ -93,9 +93,11 @@ class LlamaModel:
         ]
         self.weights_exact = make.exact
         # prompt chunks attend on AMX tiles where the prompt linears run on them
-        self.prompt_tiles = cfg.head_dim % 32 == 0 and cfg.head_dim <= 256 and any(
-            getattr(lin, "amx", None) is not None or (getattr(lin, "large", None) is not None
-            and lin.large.amx is not None) for lin in self._layer_linears())  # fmt: skip
+        self.prompt_tiles = (
+            cfg.head_dim % 32 == 0
+            and cfg.head_dim <= 256
+            and any(map(linear.prompts_on_tiles, self._layer_linears()))
+        )
         if hugepages.enabled():  # one stream on huge pages, in the order a step reads
             linear.to_huge_pages([*self._layer_linears(), self.lm_head])
         self.q_size = cfg.num_heads * cfg.head_dim

@@ -26,8 +26,10 @@ activations raised this model's perplexity from 44.6 to 121 (the block kernel's 
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -86,7 +88,6 @@ class LinearFactory:
         # float rounding), so its KV is the float32 model's and shares its keys
         self.exact = True
         self.kernels = None
-        self.amx_kernels = None  # the kernels for AMX prompt steps (False: none)
         self.blocks: dict[str, BlockWeights] = {}
         if fmt == "float32":
             return
@@ -129,14 +130,17 @@ class LinearFactory:
         weights only: the tiles take float32 operands)."""
         if self.dtype != torch.float32:
             return large
-        if self.amx_kernels is None:
-            from kvpool.model.kernels import kernels
-
-            self.amx_kernels = kernels() or False
         n, k = large.w_t.shape[1], large.w_t.shape[0]
-        if self.amx_kernels and prompt_amx(self.amx_kernels, kind, k, n):
+        if self.amx_kernels is not None and prompt_amx(self.amx_kernels, kind, k, n):
             large.with_amx(self.amx_kernels)
         return large
+
+    @functools.cached_property
+    def amx_kernels(self) -> ModuleType | None:
+        """The compiled kernels, for AMX prompt steps (None where they did not build)."""
+        from kvpool.model.kernels import kernels
+
+        return kernels()
 
     def _blocks(
         self, bw: BlockWeights, bias, large: DenseLinear, tiles: bool = True
