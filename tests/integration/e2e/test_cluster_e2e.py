@@ -79,6 +79,21 @@ def counters(url: str) -> dict[str, dict]:
     return {w["id"]: w["counters"] for w in cluster_doc(url)["workers"]}
 
 
+def counters_with(url: str, before: dict[str, dict], prompt_tokens: int,
+                  timeout: float = 10.0) -> dict[str, dict]:  # fmt: skip
+    """The counters once the prefill workers' reports count ``prompt_tokens`` more prompt
+    tokens than ``before`` (or after ``timeout``): ``/cluster`` shows what the conductor's last
+    status poll of each worker read, and a short answer can come back before the next one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = counters(url)
+        seen = sum(now[w]["prompt_tokens"] - before[w]["prompt_tokens"]
+                   for w in ("prefill-1", "prefill-2"))  # fmt: skip
+        if seen >= prompt_tokens or time.monotonic() > deadline:
+            return now
+        time.sleep(0.2)
+
+
 def saved_settled(url: str, before: dict[str, dict], timeout: float = 30.0) -> None:
     """Wait until the prefill workers saved more than ``before`` and stopped (two looks 0.5 s
     apart, as the conductor's status polls report them)."""
@@ -139,7 +154,7 @@ def test_prefix_computed_on_one_prefill_worker_is_loaded_by_the_other(cluster, c
                                               temperature=0))  # fmt: skip
         if i == 0:  # the answer does not wait for the prefill worker's saves: the test does
             saved_settled(url, before)
-    after = counters(url)
+    after = counters_with(url, before, sum(o.usage.prompt_tokens for o in outs))
     pool_hits = {w: after[w]["prefix_hits_pool"] - before[w]["prefix_hits_pool"]
                  for w in ("prefill-1", "prefill-2")}  # fmt: skip
     if max(pool_hits.values()) < 64:  # in full (an assertion's message is cut short)
